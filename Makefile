@@ -1,0 +1,33 @@
+# ttrace: `make demo` and `make test` set everything up on a fresh machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test lint ui clean
+
+setup: $(STAMP)
+
+# Re-run the install when the dependency list changes.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: pip takes the local CPU wheel instead of a CUDA build.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m orchestrator.demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check tracer orchestrator workloads tests
+
+ui: setup
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf $(VENV) outputs multirun ttrace_runs mlflow.db mlartifacts

@@ -1,0 +1,160 @@
+"""Store round-trip, integrity checks, and the comparison stage on hand-built traces (no Ray)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tracer import ModuleLayout, Shard, Tracer
+from tracer.compare import compare, cosine, load_logical, max_err, rel_err
+from tracer.errors import TraceError
+from tracer.tolerance import TolerancePolicy
+
+PLAN = {"fc": ModuleLayout(output=Shard(-1, "tp"), params={"weight": Shard(0, "tp")}), "out": ModuleLayout()}
+
+
+class Tiny(nn.Module):
+    def __init__(self, w_fc: torch.Tensor, w_out: torch.Tensor):
+        super().__init__()
+        self.fc = nn.Linear(w_fc.shape[1], w_fc.shape[0], bias=False)
+        self.out = nn.Linear(w_out.shape[1], w_out.shape[0], bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(w_fc)
+            self.out.weight.copy_(w_out)
+
+
+FULL_FC = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+FULL_OUT = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+
+
+def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
+              replica_skew: float = 0.0, microbatch: int = 0) -> None:
+    """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
+
+    fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
+    activation, so its output and the loss are replicated, as a real TP run traces them.
+    """
+    for r in range(tp):
+        m = Tiny(FULL_FC.chunk(tp, 0)[r] * fc_scale, FULL_OUT)
+        tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp})
+        tr.attach(m, PLAN)
+        with tr.step(0):
+            with tr.microbatch(microbatch):
+                m.fc(X)  # traced shard; the gathered activation below is what a TP all-gather returns
+                gathered = X @ FULL_FC.t() * fc_scale
+                if nan:
+                    gathered[0, 0] = float("nan")
+                y = m.out(gathered.requires_grad_(True))
+                loss = y.square().mean() * (1 + replica_skew * r)
+            tr.record_loss(loss, microbatch=microbatch)
+            loss.backward()
+            tr.record_param_grads(m)
+            tr.record_params(m)
+        tr.close()
+
+
+def load(root, run, tp=1):
+    return load_logical(str(root), run, tp)
+
+
+@pytest.fixture
+def traces(tmp_path):
+    write_run(tmp_path, "reference")
+    write_run(tmp_path, "perturbed-0", fc_scale=1 + 2**-22)
+    return tmp_path
+
+
+def test_round_trip_reassembles_sharded_tensors(tmp_path):
+    write_run(tmp_path, "reference")
+    write_run(tmp_path, "candidate", tp=2)
+    ref, cand = load(tmp_path, "reference"), load(tmp_path, "candidate", tp=2)
+    assert ref.order[:3] == ["0/0/fc/output", "0/0/out/output", "0/0/loss/loss"]  # execution order
+    for name in ref.order:
+        assert cand.tensors[name].tensor.shape == ref.tensors[name].tensor.shape, name
+    assert torch.equal(cand.tensors["0/-/fc.weight/param"].tensor, FULL_FC.double())
+    assert torch.allclose(cand.tensors["0/-/out.weight/param_grad"].tensor,
+                          ref.tensors["0/-/out.weight/param_grad"].tensor)
+    assert torch.equal(cand.tensors["0/0/fc/output"].tensor, ref.tensors["0/0/fc/output"].tensor)
+
+
+def test_clean_candidate_passes_and_scaled_one_diverges(traces):
+    write_run(traces, "candidate", tp=2)
+    write_run(traces, "buggy", tp=2, fc_scale=1.01)
+    policy = TolerancePolicy()
+    ref, pert = load(traces, "reference"), [load(traces, "perturbed-0")]
+    clean = compare(ref, load(traces, "candidate", 2), pert, policy)
+    assert clean.verdict == "pass", [r.reason for r in clean.results if not r.ok]
+    bad = compare(ref, load(traces, "buggy", 2), pert, policy)
+    assert bad.verdict == "fail"
+    assert bad.first_divergence.name == "0/0/fc/output"
+    assert bad.first_divergence.rel_err == pytest.approx(0.01, rel=1e-3)
+
+
+def test_nan_in_candidate_fails_even_where_norms_agree(traces):
+    write_run(traces, "candidate", tp=2, nan=True)
+    res = compare(load(traces, "reference"), load(traces, "candidate", 2), [load(traces, "perturbed-0")],
+                  TolerancePolicy())
+    assert res.verdict == "fail"
+    assert res.first_divergence.module == "out" and "non-finite" in res.first_divergence.reason
+
+
+def test_replicas_that_disagree_fail(traces):
+    write_run(traces, "candidate", tp=2, replica_skew=0.5)
+    res = compare(load(traces, "reference"), load(traces, "candidate", 2), [load(traces, "perturbed-0")],
+                  TolerancePolicy())
+    assert res.verdict == "fail"
+    assert res.first_divergence.kind == "loss"
+    assert "replicas" in res.first_divergence.reason
+
+
+def test_tolerance_follows_perturbation_noise(traces):
+    ref, pert = load(traces, "reference"), load(traces, "perturbed-0")
+    write_run(traces, "candidate", tp=2)
+    res = compare(ref, load(traces, "candidate", 2), [pert], TolerancePolicy(k=4.0, floor_ulps=0.0))
+    by = {r.name: r for r in res.results}
+    noise = rel_err(pert.tensors["0/0/fc/output"].tensor, ref.tensors["0/0/fc/output"].tensor)
+    assert noise > 0
+    assert by["0/0/fc/output"].tolerance == pytest.approx(4.0 * noise)
+
+
+def test_truncated_part_is_an_error(traces):
+    part = next((traces / "reference" / "rank00000").glob("part-*.safetensors"))
+    part.write_bytes(part.read_bytes()[:-10])
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        load(traces, "reference")
+
+
+def test_corrupted_part_is_an_error(traces):
+    part = next((traces / "reference" / "rank00000").glob("part-*.safetensors"))
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match="checksum"):
+        load(traces, "reference")
+
+
+def test_missing_rank_manifest_is_an_error(tmp_path):
+    write_run(tmp_path, "candidate", tp=2)
+    (tmp_path / "candidate" / "rank00001" / "manifest.json").unlink()
+    with pytest.raises(TraceError, match=r"rank\(s\) \[1\]"):
+        load(tmp_path, "candidate", 2)
+
+
+def test_mismatched_runs_are_an_error(traces):
+    write_run(traces, "other", microbatch=1)  # e.g. a different data split
+    with pytest.raises(TraceError, match="traced different tensors"):
+        compare(load(traces, "reference"), load(traces, "other"), [], TolerancePolicy())
+
+
+def test_metrics():
+    r = torch.tensor([3.0, 4.0, 0.0], dtype=torch.float64)
+    c = torch.tensor([3.0, 4.0, 0.5], dtype=torch.float64)
+    assert rel_err(c, r) == pytest.approx(0.1)
+    assert max_err(c, r) == pytest.approx(0.5 / 4.0)
+    assert cosine(r, r) == pytest.approx(1.0)
+    assert cosine(-r, r) == pytest.approx(-1.0)
+    assert rel_err(r, r) == 0.0
+    assert math.isinf(rel_err(c, torch.zeros(3, dtype=torch.float64)))

@@ -1,0 +1,163 @@
+"""Collector: the in-process tracer a training script attaches to its model.
+
+It records, under canonical names `step/microbatch/module/kind`:
+  output       forward output of every planned module
+  grad_output  gradient w.r.t. that output (tensor hook; remembers the forward's microbatch)
+  param_grad   every parameter's gradient after the gradient reduction
+  param        every parameter after the optimizer step
+  loss         the per-microbatch loss
+Each entry carries the layout that lets the comparison stage rebuild the logical tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracer.layouts import Layout, Replicate
+from tracer.plan import Plan, Rename, param_layouts, traced_modules
+from tracer.store import TraceWriter
+
+
+def canonical_name(step: int, microbatch: int | None, path: str, kind: str) -> str:
+    return f"{step}/{'-' if microbatch is None else microbatch}/{path}/{kind}"
+
+
+class Tracer:
+    """Records a rank's traced tensors to the store. `Tracer.disabled()` records nothing."""
+
+    def __init__(self, store_url: str, run: str, rank: int, coords: Mapping[str, int],
+                 sizes: Mapping[str, int], meta: Mapping[str, Any] | None = None, *,
+                 flush_bytes: int = 32 << 20):
+        self.enabled = True
+        self.rank = rank
+        self._writer = TraceWriter(store_url, run, rank, {
+            "run": run, "rank": rank, "coords": dict(coords), "sizes": dict(sizes), "meta": dict(meta or {}),
+        }, flush_bytes=flush_bytes)
+        self._step: int | None = None
+        self._microbatch: int | None = None
+        self._seq = 0
+        self._grad_scale = 1.0
+        self._rename: Rename = lambda n: n
+        self._params: dict[str, tuple[Layout, str]] = {}  # local param name -> (layout, module type)
+        self._handles: list[Any] = []
+
+    @classmethod
+    def disabled(cls) -> Tracer:
+        self = cls.__new__(cls)
+        self.enabled = False
+        return self
+
+    # -- setup ---------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, plan: Plan, rename: Rename | None = None) -> None:
+        """Hook every module the plan lists; remember every parameter's layout."""
+        if not self.enabled:
+            return
+        if rename is not None:
+            self._rename = rename
+        types = {name: type(m).__name__ for name, m in model.named_modules()}
+        for pname, layout in param_layouts(model, plan).items():
+            self._params[pname] = (layout, types.get(pname.rpartition(".")[0], ""))
+        for name, module, entry in traced_modules(model, plan):
+            if entry.trace:
+                self._handles.append(module.register_forward_hook(
+                    self._forward_hook(self._rename(name), type(module).__name__, entry.output)))
+
+    def set_grad_scale(self, scale: float) -> None:
+        """Factor turning this rank's activation grads into d(global loss)/d(activation).
+
+        Megatron divides each microbatch loss by the local microbatch count and averages over DP,
+        so local activation grads are (global microbatches / local microbatches) times too large.
+        """
+        self._grad_scale = float(scale)
+
+    # -- scopes --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        self._step = step
+        try:
+            yield
+        finally:
+            if self.enabled:
+                self._writer.flush()
+            self._step = None
+
+    @contextlib.contextmanager
+    def microbatch(self, index: int) -> Iterator[None]:
+        """Wrap the forward of global microbatch `index`; its backward hooks remember it."""
+        prev, self._microbatch = self._microbatch, index
+        try:
+            yield
+        finally:
+            self._microbatch = prev
+
+    # -- records -------------------------------------------------------------------------------
+    def record(self, path: str, kind: str, tensor: torch.Tensor, layout: Layout | None = None, *,
+               microbatch: int | None = None, module_type: str = "", scale: float = 1.0) -> None:
+        if not self.enabled:
+            return
+        if self._step is None:
+            raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")
+        name = canonical_name(self._step, microbatch, path, kind)
+        self._writer.add({
+            "name": name, "module": path.rpartition(".")[0] if kind in ("param_grad", "param") else path,
+            "module_type": module_type, "kind": kind, "step": self._step, "microbatch": microbatch,
+            "seq": self._seq, "layout": (layout or Replicate()).to_json(), "scale": scale,
+        }, tensor.detach().to("cpu", copy=True))
+        self._seq += 1
+
+    def record_loss(self, loss: torch.Tensor, microbatch: int) -> None:
+        self.record("loss", "loss", loss, Replicate(), microbatch=microbatch, module_type="loss")
+
+    def record_param_grads(self, model: nn.Module) -> None:
+        """Call after the gradient reductions (DP, SP, ...) and before clipping."""
+        self._record_params(model, "param_grad")
+
+    def record_params(self, model: nn.Module) -> None:
+        """Call after the optimizer step."""
+        self._record_params(model, "param")
+
+    def close(self) -> None:
+        """Commit this rank's trace (manifest last). Call on every rank after training."""
+        if not self.enabled:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._writer.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _record_params(self, model: nn.Module, kind: str) -> None:
+        if not self.enabled:
+            return
+        for pname, p in model.named_parameters():
+            t = p if kind == "param" else getattr(p, "main_grad", None)
+            t = p.grad if t is None and kind == "param_grad" else t
+            if t is None:
+                continue
+            layout, mtype = self._params.get(pname, (Replicate(), ""))
+            self.record(self._rename(pname), kind, t, layout, module_type=mtype)
+
+    def _forward_hook(self, path: str, module_type: str, layout: Layout):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if not isinstance(out, torch.Tensor) or self._step is None:
+                return
+            mb = self._microbatch
+            self.record(path, "output", out, layout, microbatch=mb, module_type=module_type)
+            if out.requires_grad:
+                step = self._step
+
+                def grad_hook(grad: torch.Tensor) -> None:
+                    prev, self._step = self._step, step
+                    try:
+                        self.record(path, "grad_output", grad, layout, microbatch=mb,
+                                    module_type=module_type, scale=self._grad_scale)
+                    finally:
+                        self._step = prev
+                out.register_hook(grad_hook)
+        return hook

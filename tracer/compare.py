@@ -1,0 +1,184 @@
+"""Comparison stage: reassemble each run's logical tensors, compare candidate with reference.
+
+Importable and testable without Ray: the orchestrator only calls `load_logical` and `compare`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.store import read_run
+from tracer.tolerance import TolerancePolicy
+
+KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
+
+
+@dataclass
+class LogicalTrace:
+    """A run's traced tensors, reassembled to logical form, in execution order."""
+
+    run: str
+    world_size: int
+    meta: dict[str, Any]
+    order: list[str]                    # canonical names in execution order
+    info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
+    tensors: dict[str, Assembled]
+
+
+def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
+    ranks = read_run(root, run, world_size)
+    pieces: dict[str, list[Piece]] = {}
+    info: dict[str, dict[str, Any]] = {}
+    for rt in ranks:
+        by_key = {e["key"]: e for e in rt.entries}
+        coords, seen = rt.manifest["coords"], set()
+        for _, tensors in rt.load_parts():
+            for key, t in tensors.items():
+                e = by_key.get(key)
+                if e is None:
+                    raise TraceError(f"run '{run}' rank {rt.rank}: tensor '{key}' is not in the manifest")
+                seen.add(key)
+                scale = float(e.get("scale", 1.0))
+                t = t.double() * scale if scale != 1.0 else t.double()
+                pieces.setdefault(e["name"], []).append(Piece(coords, t, rt.rank))
+                if e["name"] not in info or rt.rank < info[e["name"]]["rank"]:
+                    info[e["name"]] = dict(e, rank=rt.rank)
+        if len(seen) != len(by_key):
+            lost = sorted(set(by_key) - seen)[:3]
+            raise TraceError(f"run '{run}' rank {rt.rank}: manifest lists tensors not found in any part "
+                             f"(e.g. {lost}); the trace is incomplete, rerun the job")
+    sizes = ranks[0].manifest["sizes"]
+    tensors = {name: assemble(name, Layout.from_json(info[name]["layout"]), ps, sizes)
+               for name, ps in pieces.items()}
+    # Execution order: by step, then the record order of the lowest rank holding the tensor (the
+    # reference has a single rank, whose order is the one the comparison walks).
+    order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
+    return LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, tensors)
+
+
+@dataclass
+class TensorResult:
+    name: str
+    module: str
+    module_type: str
+    kind: str
+    step: int
+    microbatch: int | None
+    index: int                 # position in the reference's execution order
+    rel_err: float             # ||c - r||_F / ||r||_F
+    max_err: float             # max |c - r| / max |r|
+    cosine: float
+    nonfinite: int             # non-finite values in the candidate
+    replica_err: float         # disagreement between candidate replicas that must be identical
+    tolerance: float           # on rel_err and replica_err
+    noise: float               # largest rel_err of a perturbed reference
+    max_noise: float           # largest max_err of a perturbed reference (reported, not judged)
+    analytic_bound: float      # Megatron-CI style k * C**depth * eps, for comparison
+    ok: bool
+    reason: str = ""
+
+
+@dataclass
+class Comparison:
+    verdict: str
+    results: list[TensorResult] = field(default_factory=list)
+    first_divergence: TensorResult | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        fd = self.first_divergence
+        return {
+            "verdict": self.verdict,
+            "first_divergence": None if fd is None else {
+                "name": fd.name, "module": fd.module, "module_type": fd.module_type, "kind": fd.kind,
+                "rel_err": fd.rel_err, "tolerance": fd.tolerance, "reason": fd.reason,
+            },
+            "tensors": [asdict(r) for r in self.results],
+        }
+
+
+def rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
+    diff = (c - r).norm().item()
+    if diff == 0.0:
+        return 0.0
+    ref = r.norm().item()
+    return diff / ref if ref > 0 else math.inf
+
+
+def max_err(c: torch.Tensor, r: torch.Tensor) -> float:
+    if c.numel() == 0:
+        return 0.0
+    diff = (c - r).abs().max().item()
+    if diff == 0.0:
+        return 0.0
+    ref = r.abs().max().item()
+    return diff / ref if ref > 0 else math.inf
+
+
+def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
+    nc, nr = c.norm().item(), r.norm().item()
+    if nc == 0.0 or nr == 0.0:
+        return 1.0 if nc == nr else 0.0
+    return float((c.flatten() @ r.flatten()).item() / (nc * nr))
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else float("inf")
+
+
+def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
+            policy: TolerancePolicy) -> Comparison:
+    """Judge every reference tensor against the candidate; raise TraceError on mismatched runs."""
+    missing = [n for n in reference.order if n not in candidate.tensors]
+    extra = [n for n in candidate.order if n not in reference.tensors]
+    if missing or extra:
+        raise TraceError(
+            f"candidate run '{candidate.run}' and reference run '{reference.run}' traced different tensors "
+            f"({len(missing)} missing from the candidate, e.g. {missing[:3]}; {len(extra)} extra, e.g. "
+            f"{extra[:3]}): the runs do not match (different recipe, steps or tracing plan)")
+    for p in perturbed:
+        lost = [n for n in reference.order if n not in p.tensors]
+        if lost:
+            raise TraceError(f"perturbed reference '{p.run}' lacks {len(lost)} tensors (e.g. {lost[:3]})")
+
+    depth_of: dict[str, int] = {}
+    results: list[TensorResult] = []
+    for index, name in enumerate(reference.order):
+        e = reference.info[name]
+        r = reference.tensors[name].tensor
+        got = candidate.tensors[name]
+        c = got.tensor
+        if c.shape != r.shape:
+            raise TraceError(f"{name}: candidate reassembles to shape {tuple(c.shape)} but the reference has "
+                             f"{tuple(r.shape)}: the runs do not match or a layout is declared wrong")
+        if not torch.isfinite(r).all():
+            raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
+                             "even on one device, fix it before comparing")
+        depth = depth_of.setdefault(e["module"], len(depth_of))
+        nonfinite = int((~torch.isfinite(c)).sum().item())
+        noise = [rel_err(p.tensors[name].tensor, r) for p in perturbed]
+        tol = policy.tolerance(noise, e["dtype"])
+        res = TensorResult(
+            name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
+            step=e["step"], microbatch=e["microbatch"], index=index,
+            rel_err=_finite(rel_err(c, r)), max_err=_finite(max_err(c, r)), cosine=cosine(c, r),
+            nonfinite=nonfinite, replica_err=_finite(got.replica_err), tolerance=tol,
+            noise=max(noise, default=0.0),
+            max_noise=max((max_err(p.tensors[name].tensor, r) for p in perturbed), default=0.0),
+            analytic_bound=policy.analytic_bound(depth, e["dtype"]), ok=True)
+        if nonfinite:
+            res.ok, res.reason = False, f"{nonfinite} non-finite values"
+        elif res.rel_err > tol:
+            res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"
+        elif res.replica_err > tol:
+            res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} disagree "
+                                         f"(rel {res.replica_err:.3g} > {tol:.3g})")
+        results.append(res)
+    first = next((r for r in results if not r.ok), None)
+    return Comparison("pass" if first is None else "fail", results, first)

@@ -1,0 +1,17 @@
+"""Errors that carry a user-facing message: what is wrong, where, and what to do."""
+
+
+class TTraceError(Exception):
+    """Any failure that must end a check with exit code 2 (never a verdict)."""
+
+
+class TraceError(TTraceError):
+    """A trace is missing, truncated, corrupt, or cannot be reassembled."""
+
+
+class ConfigError(TTraceError):
+    """A recipe or parallel configuration that cannot run (bad sizes, unknown option)."""
+
+
+class JobError(TTraceError):
+    """A traced job failed: a rank raised, died, or timed out."""

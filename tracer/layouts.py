@@ -1,0 +1,151 @@
+"""Layouts: how one rank's local tensor relates to the logical (unsharded) tensor.
+
+A layout names, for a local tensor, which dims are sharded over which mesh axis and which
+mesh axes hold partial sums; every other mesh axis holds a replica. The same layout both
+slices a full tensor into a rank's shard (consistent initialization) and reassembles the
+logical tensor from every rank's shard (comparison), so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sharded dims (outermost first) and partial-sum axes; all other mesh axes are replicas."""
+
+    shard: tuple[tuple[int, str], ...] = ()
+    partial: tuple[str, ...] = ()
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for _, a in self.shard) + self.partial
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shard": [list(s) for s in self.shard], "partial": list(self.partial)}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Layout:
+        return Layout(tuple((int(dim), str(ax)) for dim, ax in d.get("shard", ())),
+                      tuple(d.get("partial", ())))
+
+    def local(self, full: torch.Tensor, coords: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
+        """This rank's shard of a full logical tensor (a view; partial sums cannot be sliced)."""
+        if self.partial:
+            raise ValueError("a partial-sum layout has no slice of a full tensor")
+        out = full
+        for dim, axis in self.shard:
+            n = sizes.get(axis, 1)
+            if out.shape[dim] % n:
+                raise TraceError(f"dim {dim} of size {out.shape[dim]} is not divisible by {axis}={n}")
+            out = out.chunk(n, dim=dim)[coords.get(axis, 0)]
+        return out
+
+
+def Replicate() -> Layout:  # noqa: N802 - reads like torch's placements
+    return Layout()
+
+
+def Shard(dim: int, axis: str = "tp") -> Layout:  # noqa: N802
+    return Layout(shard=((dim, axis),))
+
+
+def Partial(axis: str = "tp") -> Layout:  # noqa: N802
+    return Layout(partial=(axis,))
+
+
+@dataclass
+class Piece:
+    """One rank's local tensor with that rank's mesh coordinates."""
+
+    coords: Mapping[str, int]
+    tensor: torch.Tensor
+    rank: int = 0
+
+
+@dataclass
+class Assembled:
+    tensor: torch.Tensor
+    replica_err: float = 0.0      # max relative Frobenius distance between replicas
+    replica_ranks: tuple[int, int] | None = None  # the pair that disagreed most
+    ranks: list[int] = field(default_factory=list)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.double(), b.double()
+    denom = b64.norm().item()
+    diff = (a64 - b64).norm().item()
+    if diff == 0.0:
+        return 0.0
+    return diff / denom if denom > 0 else float("inf")
+
+
+def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[str, int]) -> Assembled:
+    """Reassemble the logical tensor from every rank's piece; measure replica agreement.
+
+    Pieces that differ only in replica axes must agree; pieces over a partial axis are summed;
+    pieces over a sharded axis are concatenated (innermost shard spec first).
+    """
+    if not pieces:
+        raise TraceError(f"{name}: no shard was traced by any rank")
+    for ax in layout.axes:
+        if ax not in sizes:
+            raise TraceError(f"{name}: layout uses mesh axis '{ax}' which the run does not have")
+    key_axes = layout.axes
+    groups: dict[tuple[int, ...], list[Piece]] = {}
+    for p in sorted(pieces, key=lambda p: p.rank):
+        groups.setdefault(tuple(p.coords.get(a, 0) for a in key_axes), []).append(p)
+
+    # Replicas: every piece of a group must equal the group's first piece.
+    replica_err, worst = 0.0, None
+    chosen: dict[tuple[int, ...], torch.Tensor] = {}
+    for key, group in groups.items():
+        first = group[0]
+        for other in group[1:]:
+            if other.tensor.shape != first.tensor.shape:
+                raise TraceError(f"{name}: replicas on ranks {first.rank} and {other.rank} have shapes "
+                                 f"{tuple(first.tensor.shape)} and {tuple(other.tensor.shape)}")
+            err = _rel(other.tensor, first.tensor)
+            if err > replica_err:
+                replica_err, worst = err, (first.rank, other.rank)
+        chosen[key] = first.tensor
+
+    # Every coordinate of every sharded/partial axis must be present.
+    expected = 1
+    for ax in key_axes:
+        expected *= sizes[ax]
+    if len(chosen) != expected:
+        have = sorted(chosen)
+        raise TraceError(f"{name}: expected {expected} distinct shards over {key_axes}, found {len(chosen)} "
+                         f"(coordinates present: {have}); a rank's trace is missing")
+
+    # Partial axes: sum (in float64 so the reassembly adds no rounding of its own).
+    n_shard = len(layout.shard)
+    summed: dict[tuple[int, ...], torch.Tensor] = {}
+    for key, t in chosen.items():
+        skey = key[:n_shard]
+        acc = t.double() if layout.partial else t
+        summed[skey] = summed[skey] + acc if skey in summed else acc
+    if layout.partial:
+        dtype = next(iter(chosen.values())).dtype
+        summed = {k: v.to(dtype) for k, v in summed.items()}
+
+    # Sharded axes: concatenate innermost spec first.
+    current = summed
+    for i in reversed(range(n_shard)):
+        dim = layout.shard[i][0]
+        merged: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+        for key, t in current.items():
+            merged.setdefault(key[:i], []).append((key[i], t))
+        current = {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])], dim=dim)
+                   for k, v in merged.items()}
+    (tensor,) = current.values()
+    return Assembled(tensor=tensor, replica_err=replica_err, replica_ranks=worst,
+                     ranks=sorted(p.rank for p in pieces))

@@ -1,0 +1,74 @@
+"""Tracing plans: module-name patterns -> how that module's output and parameters are laid out.
+
+A plan reads like torchtitan's parallelize plan: {"layers.*.attn.qkv": ModuleLayout(...)}. `*` matches
+one path component. Listed modules are traced; unlisted parameters are replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from torch import nn
+
+from tracer.layouts import Layout, Replicate
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    output: Layout = field(default_factory=Replicate)
+    params: Mapping[str, Layout] = field(default_factory=dict)  # relative param name -> layout
+    trace: bool = True  # trace the output and its gradient
+
+
+Plan = Mapping[str, ModuleLayout]
+
+
+@lru_cache(maxsize=1024)
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile("".join("[^.]+" if part == "*" else re.escape(part)
+                              for part in re.split(r"(\*)", pattern)) + r"\Z")
+
+
+def match(plan: Plan, name: str) -> ModuleLayout | None:
+    """The plan entry for a module name (first matching pattern), or None."""
+    for pattern, layout in plan.items():
+        if _regex(pattern).match(name):
+            return layout
+    return None
+
+
+def traced_modules(model: nn.Module, plan: Plan) -> Iterator[tuple[str, nn.Module, ModuleLayout]]:
+    for name, module in model.named_modules():
+        entry = match(plan, name)
+        if entry is not None:
+            yield name, module, entry
+
+
+def param_layouts(model: nn.Module, plan: Plan) -> dict[str, Layout]:
+    """Layout of every parameter of `model` (replicated unless a plan entry says otherwise)."""
+    layouts = {name: Replicate() for name, _ in model.named_parameters()}
+    for mname, _, entry in traced_modules(model, plan):
+        for rel, layout in entry.params.items():
+            full = f"{mname}.{rel}" if mname else rel
+            if full not in layouts:
+                raise KeyError(f"plan entry for '{mname}' names parameter '{rel}', which the module lacks")
+            layouts[full] = layout
+    return layouts
+
+
+@dataclass(frozen=True)
+class PipelineRenaming:
+    """Rename a stage's local layer numbers to global ones (PP: layers.0 on stage 1 is layers.N/2)."""
+
+    offset: int
+    pattern: str = r"^layers\.(\d+)"
+
+    def __call__(self, name: str) -> str:
+        return re.sub(self.pattern, lambda m: m.group(0)[: m.start(1) - m.start(0)]
+                      + str(int(m.group(1)) + self.offset), name, count=1)
+
+
+Rename = Callable[[str], str]
