@@ -31,7 +31,7 @@ X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
 
 
 def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
-              replica_skew: float = 0.0, microbatch: int = 0) -> None:
+              replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a") -> None:
     """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
 
     fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
@@ -39,7 +39,7 @@ def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: boo
     """
     for r in range(tp):
         m = Tiny(FULL_FC.chunk(tp, 0)[r] * fc_scale, FULL_OUT)
-        tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp})
+        tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp}, meta={"fingerprint": fingerprint})
         tr.attach(m, PLAN)
         with tr.step(0):
             with tr.microbatch(microbatch):
@@ -158,3 +158,9 @@ def test_metrics():
     assert cosine(-r, r) == pytest.approx(-1.0)
     assert rel_err(r, r) == 0.0
     assert math.isinf(rel_err(c, torch.zeros(3, dtype=torch.float64)))
+
+
+def test_runs_of_different_recipes_are_an_error(traces):
+    write_run(traces, "candidate", tp=2, fingerprint="recipe-b")
+    with pytest.raises(TraceError, match="different recipe"):
+        compare(load(traces, "reference"), load(traces, "candidate", 2), [], TolerancePolicy())

@@ -50,6 +50,7 @@ class Tracer:
     def disabled(cls) -> Tracer:
         self = cls.__new__(cls)
         self.enabled = False
+        self._step = self._microbatch = None
         return self
 
     # -- setup ---------------------------------------------------------------------------------

@@ -135,6 +135,12 @@ def _finite(x: float) -> float:
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
             policy: TolerancePolicy) -> Comparison:
     """Judge every reference tensor against the candidate; raise TraceError on mismatched runs."""
+    for other in (candidate, *perturbed):
+        fa, fb = reference.meta.get("fingerprint"), other.meta.get("fingerprint")
+        if fa and fb and fa != fb:
+            raise TraceError(f"run '{other.run}' was traced from a different recipe than reference "
+                             f"'{reference.run}' (fingerprint {fb} != {fa}: model, data, steps, seed or "
+                             "precision differ); compare runs of the same recipe")
     missing = [n for n in reference.order if n not in candidate.tensors]
     extra = [n for n in candidate.order if n not in reference.tensors]
     if missing or extra:

@@ -1,0 +1,151 @@
+"""Ray layer: start or join a cluster and gang-schedule each job's ranks. Scheduling only.
+
+A job is one training run (reference, perturbed reference or candidate): `world_size` rank tasks
+placed together in one placement group, so a job either gets all its ranks or waits. Jobs run
+concurrently as the cluster's resources allow. A rank that raises, dies or outlives the job's
+timeout fails the whole job: its other ranks are cancelled (they would block in a collective).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tracer.errors import ConfigError
+
+MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
+
+
+def ensure_ray(cluster: dict[str, Any]) -> float:
+    """Start a local Ray (or join `cluster.address`) once per process; returns seconds spent."""
+    t0 = time.perf_counter()
+    if not ray.is_initialized():
+        address = cluster.get("address")
+        # Ray workers must import this checkout's packages, wherever the driver was started from.
+        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
+            p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}}
+        if address:
+            ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
+        else:
+            num_cpus = cluster.get("num_cpus") or max(os.cpu_count() or 1, MIN_LOCAL_CPUS)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
+                     log_to_driver=False, logging_level="ERROR")
+    return time.perf_counter() - t0
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """Address and a free port on the node of rank 0, for torch.distributed's TCP store."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+@ray.remote(max_retries=0)
+def _rank(spec: dict[str, Any], rank: int, world_size: int, addr: str, port: int) -> dict[str, Any]:
+    from workloads.train import run_rank
+
+    return run_rank(spec, rank, world_size, addr, port)
+
+
+@dataclass
+class Job:
+    name: str
+    spec: dict[str, Any]
+    world_size: int
+    results: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_dir: Path) -> None:
+    """Run every job to completion or failure (recorded in job.error); never hangs past timeouts."""
+    use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+    capacity = ray.cluster_resources().get("CPU", 0)
+    for job in jobs:
+        if job.world_size * cpus_per_rank > capacity:
+            raise ConfigError(f"job '{job.name}' needs {job.world_size} ranks x {cpus_per_rank} CPUs but "
+                              f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
+                              "larger cluster (cluster.address)")
+    running: dict[str, tuple[Job, Any, list[ray.ObjectRef], float | None]] = {}
+    for job in jobs:
+        pg = placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
+        running[job.name] = (job, pg, [], None)
+    queue_deadline = time.monotonic() + timeout_s * max(1, len(jobs))
+    try:
+        while running:
+            for name, (job, pg, refs, started) in list(running.items()):
+                if started is None:
+                    ready, _ = ray.wait([pg.ready()], timeout=0)
+                    if ready:
+                        refs = _launch(job, pg)
+                        running[name] = (job, pg, refs, time.monotonic())
+                    elif time.monotonic() > queue_deadline:
+                        job.error = (f"job '{job.name}' could not be scheduled: no room for "
+                                     f"{job.world_size} ranks on the cluster within {queue_deadline:.0f}s")
+                        _finish(running, name)
+                    continue
+                done, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+                failed = _first_failure(job, refs, done, error_dir)
+                if failed:
+                    job.error = failed
+                    _finish(running, name)
+                elif not pending:
+                    job.results = sorted(ray.get(done), key=lambda r: r["rank"])
+                    job.seconds = time.monotonic() - started
+                    _finish(running, name)
+                elif time.monotonic() - started > timeout_s:
+                    waiting = sorted(i for i, r in enumerate(refs) if r in pending)
+                    job.error = (f"job '{job.name}' timed out after {timeout_s:.0f}s; rank(s) {waiting} "
+                                 "never finished (a hang in a collective?); raise timeout_s if the job is "
+                                 "just slow")
+                    _finish(running, name)
+            if running:
+                time.sleep(0.1)
+    finally:
+        for name in list(running):
+            _finish(running, name)
+
+
+def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
+    strategy = lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+    addr, port = ray.get(_rendezvous.options(scheduling_strategy=strategy(0)).remote())
+    return [_rank.options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
+                          num_gpus=pg.bundle_specs[i].get("GPU", 0))
+            .remote(job.spec, i, job.world_size, addr, port) for i in range(job.world_size)]
+
+
+def _first_failure(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef],
+                   error_dir: Path) -> str | None:
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            rank = refs.index(ref)
+            error_dir.mkdir(parents=True, exist_ok=True)
+            path = error_dir / f"{job.name}-rank{rank}.txt"
+            path.write_text(str(e))
+            last = "".join(traceback.format_exception_only(type(cause), cause)).strip().splitlines()[-1]
+            return f"job '{job.name}' failed: rank {rank} raised {last} (full traceback: {path})"
+        except ray.exceptions.RayError as e:  # worker crashed, node lost, ...
+            return (f"job '{job.name}' failed: rank {refs.index(ref)}'s worker process died "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return None
+
+
+def _finish(running: dict[str, Any], name: str) -> None:
+    job, pg, refs, _ = running.pop(name)
+    for ref in refs:
+        ray.cancel(ref, force=True)
+    remove_placement_group(pg)

@@ -1,0 +1,24 @@
+"""One local Ray cluster for the whole test session (starting Ray costs ~15 s on 2 cores)."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from orchestrator.cluster import ensure_ray
+
+    ensure_ray({"address": None, "num_cpus": None})
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """Run checks from a scratch directory: store, MLflow db and artifacts land there."""
+    monkeypatch.chdir(tmp_path)
+    os.environ.setdefault("TTRACE_TEST", "1")
+    return tmp_path

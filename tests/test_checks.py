@@ -1,0 +1,78 @@
+"""Real checks: Ray-scheduled multi-rank gloo jobs, comparison, MLflow; clean passes, bugs are named."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.check import run_check
+from orchestrator.recipe import compose
+
+
+def check(workdir, *overrides):
+    rec = compose(overrides)
+    return run_check(rec, workdir / "out" / "-".join(overrides or ("default",)), base_dir=str(workdir))
+
+
+def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ray_cluster, workdir):
+    clean = check(workdir, "parallel=tp2_sp")
+    assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    assert clean.exit_code == 0
+    kinds = {t["kind"] for t in clean.report["tensors"]}
+    assert kinds == {"output", "grad_output", "loss", "param_grad", "param"}
+    assert all(t["ok"] for t in clean.report["tensors"])
+
+    buggy = check(workdir, "parallel=tp2_sp", "bug=sp_layernorm_grad_unreduced")
+    assert buggy.verdict == "fail" and buggy.exit_code == 1
+    fd = buggy.report["first_divergence"]
+    assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
+    # Nothing before the LayerNorm grad diverged: forward and backward activations of step 0 agree.
+    first = next(t for t in buggy.report["tensors"] if not t["ok"])
+    assert all(t["ok"] for t in buggy.report["tensors"][: first["index"]])
+
+    # Both checks were logged to MLflow with their verdicts and per-tensor metrics.
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
+    by_bug = {r.data.tags["bug"]: r for r in runs}
+    assert by_bug["none"].data.tags["verdict"] == "pass"
+    assert by_bug["sp_layernorm_grad_unreduced"].data.tags["first_divergence.module"] == fd["module"]
+    history = mlflow.MlflowClient().get_metric_history(by_bug["none"].info.run_id, "rel_err")
+    assert len(history) == len(clean.report["tensors"])
+
+
+def test_row_parallel_bias_counted_per_rank_is_named_at_the_row_parallel_output(ray_cluster, workdir):
+    res = check(workdir, "parallel=tp2", "bug=row_parallel_bias_per_rank")
+    assert res.verdict == "fail"
+    fd = res.report["first_divergence"]
+    assert fd["kind"] == "output" and fd["module"] == "layers.0.attn.proj", fd
+
+
+def test_cli_joins_the_cluster_and_reports_dp_grads_summed(ray_cluster, workdir):
+    """The console entry point end to end: exit code 1, report path last, param grad named."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "parallel=tp2_dp2", "bug=dp_grad_not_averaged",
+         f"cluster.address={ray_cluster}", "tolerance.perturbations=2"],
+        capture_output=True, text=True, cwd=workdir, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("report: ")
+    report = json.loads(open(last.removeprefix("report: ")).read())
+    assert report["verdict"] == "fail"
+    assert report["first_divergence"]["kind"] == "param_grad"
+    assert set(report["timings"]) >= {"ray_start", "jobs", "compare", "tracking", "total"}
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["parallel=tp3"], "parallel/tp3"),
+    (["model.hidden=66", "parallel=tp2"], "hidden"),
+    (["parallel.world_size=3", "parallel=tp2"], "world"),
+])
+def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overrides, needle):
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *overrides, "tracking.enabled=false"],
+                          capture_output=True, text=True, cwd=workdir, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr
+    assert "PASS" not in proc.stdout

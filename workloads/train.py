@@ -1,0 +1,189 @@
+"""Per-rank entry point: init process groups, build the stage model from the plan, train, trace.
+
+The orchestrator calls `run_rank` inside each Ray task; worker processes are reused, so the process
+group is always destroyed on the way out.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tracer import ConfigError, PipelineRenaming, Tracer, full_tensor, param_layouts, perturb_ulp, token_batch
+from workloads import bugs
+from workloads.config import Config, parse, validate
+from workloads.model import GPTStage
+from workloads.parallel_state import ParallelState, initialize
+from workloads.plan import tracing_plan
+from workloads.schedule import Microbatch, no_pipelining, one_f_one_b
+
+TracerFactory = Callable[[Config, ParallelState], Any]
+
+
+# -- weights -------------------------------------------------------------------------------------
+def init_weights(model: GPTStage, plan: Mapping[str, Any], ps: ParallelState, cfg: Config) -> None:
+    """Generate each parameter as its FULL logical tensor (global name), optionally perturb it by one
+    ulp, then keep this rank's shard; the layout comes from the plan, the only sharding rules."""
+    modules = dict(model.named_modules())
+    layouts = param_layouts(model, plan)
+    global_name = PipelineRenaming(model.layer_offset)  # the tracer's renaming: one rule for both
+    for name, p in model.named_parameters():
+        layout = layouts[name]
+        full_shape = list(p.shape)
+        for dim, axis in layout.shard:
+            full_shape[dim] *= ps.sizes[axis]
+        owner = modules[name.rpartition(".")[0]]
+        kind = name.rpartition(".")[2]
+        init = ("ones" if kind == "weight" else "zeros") if isinstance(owner, nn.LayerNorm) else (
+            "zeros" if kind == "bias" else "normal")
+        gname = global_name(name)
+        full = full_tensor(gname, tuple(full_shape), cfg.seed, init=init, std=0.02)
+        if cfg.perturb_seed is not None:
+            full = perturb_ulp(full, cfg.perturb_seed, gname)
+        with torch.no_grad():
+            p.copy_(layout.local(full, ps.coords, ps.sizes))
+        # Megatron's `param_is_not_tensor_parallel_duplicate`: sharded params count on every TP rank.
+        p.tensor_model_parallel = "tp" in layout.axes
+
+
+# -- grad finalization, clipping -----------------------------------------------------------------
+def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum a list of grads over `group` in one flat buffer (same sums as per-tensor, fewer calls)."""
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any]) -> None:
+    """The grads the optimizer sees: DP average, then TP all-reduce of sequence-parallel grads
+    (megatron-core finalize_model_grads order)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if ps.dp_size > 1:
+        _all_reduce_coalesced(grads, ps.dp_group)
+        if not bugs.active(spec, "dp_grad_not_averaged"):
+            for g in grads:
+                g.div_(ps.dp_size)
+        # BUG dp_grad_not_averaged: the division above is skipped, grads are dp times too large.
+
+    sp_grads = []
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.grad is None or not getattr(p, "sequence_parallel", False):
+                continue
+            if isinstance(module, nn.LayerNorm) and bugs.active(spec, "sp_layernorm_grad_unreduced"):
+                continue   # BUG sp_layernorm_grad_unreduced: each TP rank keeps its partial LN grad.
+            sp_grads.append(p.grad)
+    _all_reduce_coalesced(sp_grads, ps.tp_group)
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], ps: ParallelState, max_norm: float) -> float:
+    """Global-norm clipping over the whole model: TP-sharded params count on every TP rank,
+    replicated ones once (tp rank 0); summed over the model-parallel group (all TP and PP ranks)."""
+    params = [p for p in params if p.grad is not None]
+    counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) or ps.tp_rank == 0]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in counted:
+        sq = sq + g.float().pow(2).sum()
+    if ps.mp_group is not None and dist.get_world_size(ps.mp_group) > 1:
+        dist.all_reduce(sq, group=ps.mp_group)
+    total = math.sqrt(sq.item())
+    coef = max_norm / (total + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return total
+
+
+# -- entry point ---------------------------------------------------------------------------------
+def _microbatches(cfg: Config, ps: ParallelState, step: int, device: torch.device) -> list[Microbatch]:
+    """This DP rank's contiguous slice of the global batch, cut into microbatches with global indices."""
+    tokens = token_batch(cfg.seed, step, cfg.global_batch, cfg.model.seq_len, cfg.model.vocab)
+    per_dp = cfg.global_batch // ps.dp_size
+    local = tokens[ps.coords["dp"] * per_dp:(ps.coords["dp"] + 1) * per_dp].to(device)
+    m_local = cfg.micro_batches_local
+    return [Microbatch(index=ps.coords["dp"] * m_local + j, ids=chunk[:, :-1], labels=chunk[:, 1:])
+            for j, chunk in enumerate(local.split(cfg.micro_batch))]
+
+
+def _default_tracer(cfg: Config, ps: ParallelState) -> Any:
+    if not cfg.trace_enabled:
+        return Tracer.disabled()
+    return Tracer(cfg.store_url, cfg.run, ps.rank, coords=ps.coords, sizes=ps.sizes, meta={
+        "workload": "gpt", "model": cfg.model.name, "parallel": cfg.parallel.name, "bug": cfg.bug,
+        "precision": cfg.precision, "pp_stage": ps.pp_rank, "fingerprint": cfg.fingerprint})
+
+
+def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int, *,
+             tracer_factory: TracerFactory | None = None) -> dict:
+    """Train `spec["steps"]` steps as `rank` of `world_size`; returns {"rank", "losses", "seconds"}.
+
+    `losses` holds the global mean loss per step on last-stage ranks ([] elsewhere).
+    `tracer_factory` replaces the store-backed Tracer (tests use an in-memory collector).
+    """
+    validate(spec)
+    cfg = parse(spec)
+    if cfg.parallel.world_size != world_size:
+        raise ConfigError(f"parallel={cfg.parallel.name} declares world_size={cfg.parallel.world_size} "
+                          f"but the job was launched with {world_size} ranks; fix the recipe or the launcher")
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master_addr}:{master_port}",
+                            rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s))
+    tracer = None
+    try:
+        ps = initialize(cfg.parallel, rank, world_size)
+        model = GPTStage(cfg, ps, row_bias_bug=bugs.active(spec, "row_parallel_bias_per_rank"))
+        plan = tracing_plan(cfg.parallel.sp)
+        init_weights(model, plan, ps, cfg)
+        model.to(device)
+        tracer = (tracer_factory or _default_tracer)(cfg, ps)
+        tracer.attach(model, plan, rename=PipelineRenaming(model.layer_offset))
+        tracer.set_grad_scale(cfg.micro_batches_local / cfg.micro_batches_global)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.0, foreach=False)
+        seq_local = cfg.model.seq_len // ps.tp_size if cfg.parallel.sp else cfg.model.seq_len
+        act_shape = (cfg.micro_batch, seq_local, cfg.model.hidden)
+
+        step_losses: list[float] = []
+        for step in range(cfg.steps):
+            with tracer.step(step):
+                optimizer.zero_grad(set_to_none=True)
+                mbs = _microbatches(cfg, ps, step, device)
+                if ps.pp_size == 1:
+                    losses = no_pipelining(model, mbs, tracer)
+                else:
+                    losses = one_f_one_b(model, mbs, tracer, ps, act_shape, device)
+                finalize_grads(model, ps, spec)
+                tracer.record_param_grads(model)
+                clip_grad_norm(model.parameters(), ps, cfg.clip_grad)
+                optimizer.step()
+                tracer.record_params(model)
+            if ps.is_last_stage:
+                total = torch.tensor(sum(losses), dtype=torch.float64, device=device)
+                if ps.dp_size > 1:
+                    dist.all_reduce(total, group=ps.dp_group)
+                step_losses.append(total.item() / cfg.micro_batches_global)
+        return {"rank": rank, "losses": step_losses, "seconds": time.perf_counter() - t0}
+    finally:
+        try:
+            if tracer is not None:
+                tracer.close()
+        finally:
+            dist.destroy_process_group()
