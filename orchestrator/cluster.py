@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tracer.errors import ConfigError
 
 MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
+FAILURE_GRACE_S = 3.0
 
 
 def ensure_ray(cluster: dict[str, Any]) -> float:
@@ -51,10 +52,10 @@ def _rendezvous() -> tuple[str, int]:
 
 
 @ray.remote(max_retries=0)
-def _rank(spec: dict[str, Any], rank: int, world_size: int, addr: str, port: int) -> dict[str, Any]:
+def _rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int]) -> dict[str, Any]:
     from workloads.train import run_rank
 
-    return run_rank(spec, rank, world_size, addr, port)
+    return run_rank(spec, rank, world_size, *rdzv)
 
 
 @dataclass
@@ -92,14 +93,17 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                         running[name] = (job, pg, refs, time.monotonic())
                     elif time.monotonic() > queue_deadline:
                         job.error = (f"job '{job.name}' could not be scheduled: no room for "
-                                     f"{job.world_size} ranks on the cluster within {queue_deadline:.0f}s")
-                        _finish(running, name)
+                                     f"{job.world_size} ranks on the cluster within "
+                                     f"{timeout_s * len(jobs):.0f}s")
+                        _finish(running, name, cancel=True)
                     continue
                 done, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-                failed = _first_failure(job, refs, done, error_dir)
-                if failed:
-                    job.error = failed
-                    _finish(running, name)
+                if any(_failed(r) for r in done):
+                    # Give the peers a moment to fail too, so the root cause (the rank that raised or
+                    # died first) is reported beside the collective errors it caused.
+                    done, pending = ray.wait(refs, num_returns=len(refs), timeout=FAILURE_GRACE_S)
+                    job.error = _failures(job, refs, done, pending, error_dir)
+                    _finish(running, name, cancel=True)
                 elif not pending:
                     job.results = sorted(ray.get(done), key=lambda r: r["rank"])
                     job.seconds = time.monotonic() - started
@@ -109,43 +113,60 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                     job.error = (f"job '{job.name}' timed out after {timeout_s:.0f}s; rank(s) {waiting} "
                                  "never finished (a hang in a collective?); raise timeout_s if the job is "
                                  "just slow")
-                    _finish(running, name)
+                    _finish(running, name, cancel=True)
             if running:
                 time.sleep(0.1)
     finally:
         for name in list(running):
-            _finish(running, name)
+            _finish(running, name, cancel=True)
 
 
 def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
     strategy = lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-    addr, port = ray.get(_rendezvous.options(scheduling_strategy=strategy(0)).remote())
+    # The rendezvous result is passed as an ObjectRef: Ray resolves it before the ranks start, so
+    # launching never blocks the scheduling loop.
+    rdzv = _rendezvous.options(scheduling_strategy=strategy(0)).remote()
     return [_rank.options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
                           num_gpus=pg.bundle_specs[i].get("GPU", 0))
-            .remote(job.spec, i, job.world_size, addr, port) for i in range(job.world_size)]
+            .remote(job.spec, i, job.world_size, rdzv) for i in range(job.world_size)]
 
 
-def _first_failure(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef],
-                   error_dir: Path) -> str | None:
-    for ref in done:
+def _failed(ref: ray.ObjectRef) -> bool:
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except ray.exceptions.RayError:
+        return True
+
+
+def _failures(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef], pending: list[ray.ObjectRef],
+              error_dir: Path) -> str:
+    """One sentence per failed rank: what it raised (traceback saved to a file) or that it died."""
+    msgs = []
+    for rank, ref in enumerate(refs):
+        if ref in pending:
+            continue
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            rank = refs.index(ref)
             error_dir.mkdir(parents=True, exist_ok=True)
             path = error_dir / f"{job.name}-rank{rank}.txt"
             path.write_text(str(e))
             last = "".join(traceback.format_exception_only(type(cause), cause)).strip().splitlines()[-1]
-            return f"job '{job.name}' failed: rank {rank} raised {last} (full traceback: {path})"
+            # A peer's failure surfaces as a collective error on the other ranks: list those last.
+            secondary = any(w in last for w in ("gloo", "NCCL", "Connection closed by peer"))
+            msgs.append((secondary, f"rank {rank} raised {last} (traceback: {path})"))
         except ray.exceptions.RayError as e:  # worker crashed, node lost, ...
-            return (f"job '{job.name}' failed: rank {refs.index(ref)}'s worker process died "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-    return None
+            msgs.append((False, f"rank {rank}'s worker process died ({type(e).__name__})"))
+    stuck = [refs.index(r) for r in pending]
+    tail = f"; rank(s) {stuck} were still running and were cancelled" if stuck else ""
+    return f"job '{job.name}' failed: " + "; ".join(m for _, m in sorted(msgs, key=lambda m: m[0])) + tail
 
 
-def _finish(running: dict[str, Any], name: str) -> None:
+def _finish(running: dict[str, Any], name: str, cancel: bool = False) -> None:
     job, pg, refs, _ = running.pop(name)
-    for ref in refs:
-        ray.cancel(ref, force=True)
+    if cancel:
+        for ref in refs:
+            ray.cancel(ref, force=True)
     remove_placement_group(pg)

@@ -47,6 +47,8 @@ def job_spec(recipe: dict[str, Any], *, run: str, store_url: str, parallel: dict
         "trace": {"store_url": store_url, "run": run, "perturb_seed": perturb_seed, "enabled": True,
                   "fingerprint": fingerprint(recipe)},
         "timeout_s": recipe["timeout_s"],
+        # Faults are injected into the candidate only: the reference must stay trustworthy.
+        "fault": recipe.get("fault") if run == "candidate" else None,
     }
 
 

@@ -76,3 +76,17 @@ def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overri
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr
     assert "PASS" not in proc.stdout
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("raise", "failed: rank 1 raised workloads.faults.InjectedFault"),   # a rank raises mid-step
+    ("exit", "rank 1's worker process died"),   # a rank's process dies mid-step
+    ("hang", "timed out"),                      # a rank blocks; its peer waits in a collective
+])
+def test_a_failing_rank_ends_in_an_error_never_a_verdict(ray_cluster, workdir, kind, needle):
+    res = check(workdir, "parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
+                "tolerance.perturbations=1", "timeout_s=40")
+    assert res.verdict == "error" and res.exit_code == 2, res.report.get("first_divergence")
+    assert needle in res.message, res.message
+    saved = json.loads(res.report_path.read_text())
+    assert saved["verdict"] == "error" and saved["tensors"] == []

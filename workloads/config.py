@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tracer.errors import ConfigError
-from workloads import bugs
+from workloads import bugs, faults
 
 SUPPORTED_PRECISIONS = ("fp32",)
 
@@ -155,3 +155,6 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in bugs.CATALOG,
          f"unknown bug '{cfg.bug}'; known bugs: {', '.join(sorted(bugs.CATALOG))} (or 'none')")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
+    fault = spec.get("fault") or {}
+    need(fault.get("kind", "none") in faults.KINDS,
+         f"unknown fault.kind '{fault.get('kind')}'; known: {', '.join(faults.KINDS)}")

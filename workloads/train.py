@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tracer import ConfigError, PipelineRenaming, Tracer, full_tensor, param_layouts, perturb_ulp, token_batch
-from workloads import bugs
+from workloads import bugs, faults
 from workloads.config import Config, parse, validate
 from workloads.model import GPTStage
 from workloads.parallel_state import ParallelState, initialize
@@ -170,6 +170,7 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
                     losses = no_pipelining(model, mbs, tracer)
                 else:
                     losses = one_f_one_b(model, mbs, tracer, ps, act_shape, device)
+                faults.maybe_inject(spec, rank, step)
                 finalize_grads(model, ps, spec)
                 tracer.record_param_grads(model)
                 clip_grad_norm(model.parameters(), ps, cfg.clip_grad)
