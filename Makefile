@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint ui clean
+.PHONY: setup demo test lint ui clean bench-tolerance nightly chromium
 
 setup: $(STAMP)
 
@@ -20,8 +20,21 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m orchestrator.demo
 
-test: setup
+test: setup chromium
 	$(BIN)/python -m pytest -q tests
+
+# Headless Chromium renders report.html in the tests (installed from Debian packages when missing).
+chromium:
+	sh scripts/ensure_chromium.sh
+
+# Nightly regression run (recipes/sweep/nightly.yaml): `make nightly` (full) or `make nightly nightly=quick`.
+nightly ?= full
+nightly: setup
+	$(BIN)/python -m orchestrator.nightly nightly=$(nightly) $(NIGHTLY_ARGS)
+
+# Tolerance calibration + clean-matrix false positives + corruption study -> bench/tolerance.json
+bench-tolerance: setup
+	$(BIN)/python bench/tolerance.py
 
 lint: setup
 	$(BIN)/ruff check tracer orchestrator workloads tests
@@ -30,4 +43,4 @@ ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
-	rm -rf $(VENV) outputs multirun ttrace_runs mlflow.db mlartifacts
+	rm -rf $(VENV) outputs multirun ttrace_runs mlflow.db mlartifacts nightly

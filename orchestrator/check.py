@@ -1,20 +1,33 @@
-"""One check: reference + perturbed references + candidate on Ray, then compare, report, log."""
+"""Checks: reference + perturbed references + candidate on Ray, then compare, report, log.
+
+`run_checks` runs any number of checks (a Hydra sweep, a nightly matrix) on one Ray cluster: every
+check's candidate and every *distinct* reference set go to the cluster together, so jobs run
+concurrently as resources allow. References live in a content-keyed cache in the store
+(`<store>/refcache/<key>/`, key = recipe.reference_key): a check whose key has a complete entry
+reuses it, and checks of one sweep that share a key compute it once.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, recipe, tracking
+import fsspec
+
+from orchestrator import cluster, recipe, storage, tracking
 from tracer.compare import compare, load_logical
 from tracer.errors import TTraceError
+from tracer.store import read_run
 from tracer.tolerance import TolerancePolicy
 
 EXIT = {"pass": 0, "fail": 1, "error": 2}
+CACHE_DIR = "refcache"
+COMPLETE = "COMPLETE.json"
 
 
 @dataclass
@@ -29,36 +42,173 @@ class CheckResult:
         return EXIT[self.verdict]
 
 
+@dataclass
+class _RefSet:
+    """One reference + R perturbed references, either found complete in the cache or computed now."""
+    key: str
+    entry_url: str                # <store>/refcache/<key>
+    url: str                      # root of the runs: <entry_url>/<attempt>
+    runs: list[str]
+    cache: str                    # hit (complete entry reused) | miss (computed) | off (cache=false)
+    jobs: list[cluster.Job] = field(default_factory=list)
+    computed_by: str = ""         # check_id whose plan computed it
+    error: str | None = None
+
+
+@dataclass
+class _Planned:
+    rec: dict[str, Any]
+    output_dir: Path
+    check_id: str
+    report: dict[str, Any]
+    t_start: float
+    candidate: cluster.Job | None = None
+    store_url: str = ""
+    refs: _RefSet | None = None
+    error: str | None = None
+
+
 def run_check(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
     """Run one check end to end. Every failure becomes verdict 'error' with a message, never a pass."""
-    t_start = time.perf_counter()
-    timings: dict[str, Any] = {}
+    return run_checks([(rec, output_dir)], base_dir)[0]
+
+
+def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progress: bool = False,
+               parent_run_id: str | None = None) -> list[CheckResult]:
+    """Run several checks together on one Ray cluster; results in the order of `items`."""
+    plans = [_plan(rec, out, base_dir) for rec, out in items]
+    live = [p for p in plans if p.error is None]
+    refsets = _share_references(live)
+    jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
+    if jobs:
+        try:
+            ray_s = cluster.ensure_ray(live[0].rec["cluster"])
+            cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
+            timeout = max(float(p.rec["timeout_s"]) for p in live)
+            t0 = time.perf_counter()
+            with _progress(progress) as on_change:
+                cluster.run_jobs(jobs, cpus_per_rank=cpus, timeout_s=timeout,
+                                 error_dir=live[0].output_dir / "errors", on_change=on_change)
+            wall = time.perf_counter() - t0
+            for p in live:
+                p.report["timings"].update(ray_start=ray_s, jobs_wall=wall)
+        except TTraceError as e:
+            for p in live:
+                p.error = str(e)
+    for rs in refsets:
+        _commit(rs)
+    return [_finish(p, base_dir, parent_run_id) for p in plans]
+
+
+def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> _Planned:
     check_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-    report: dict[str, Any] = {"check_id": check_id, "recipe": rec, "timings": timings}
+    p = _Planned(rec, output_dir, check_id, {"check_id": check_id, "recipe": rec, "timings": {}},
+                 time.perf_counter())
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
         recipe.validate(rec)
-        store_root = recipe.resolve_url(rec["store"]["url"], base_dir)
-        store_url = f"{store_root.rstrip('/')}/{check_id}"
-        report["store"] = store_url
-        timings["ray_start"] = cluster.ensure_ray(rec["cluster"])
+        opts = storage.options(rec["store"])
+        root = recipe.resolve_url(rec["store"]["url"], base_dir).rstrip("/")
+        storage.preflight(root, opts)
+        p.store_url = f"{root}/{check_id}"
+        p.report["store"] = p.store_url
+        world = int(rec["parallel"]["world_size"])
+        p.candidate = cluster.Job("candidate", recipe.job_spec(rec, run="candidate", store_url=p.store_url),
+                                  world, label=check_id, timeout_s=float(rec["timeout_s"]),
+                                  error_dir=output_dir / "errors")
+    except TTraceError as e:
+        p.error = str(e)
+    return p
 
-        jobs = _plan_jobs(rec, store_url)
-        t0 = time.perf_counter()
-        cluster.run_jobs(jobs, cpus_per_rank=float(rec["cluster"]["cpus_per_rank"]),
-                         timeout_s=float(rec["timeout_s"]), error_dir=output_dir / "errors")
-        timings["jobs_wall"] = time.perf_counter() - t0
-        timings["jobs"] = {j.name: j.seconds for j in jobs}
-        failed = [j.error for j in jobs if j.error]
+
+def _share_references(plans: list[_Planned]) -> list[_RefSet]:
+    """Attach a reference set to every plan: a complete cache entry, or one computation per key."""
+    computing: dict[str, _RefSet] = {}
+    for p in plans:
+        key = recipe.reference_key(p.rec)
+        root = p.store_url.rsplit("/", 1)[0]
+        entry = f"{root}/{CACHE_DIR}/{key}"
+        if key in computing and computing[key].entry_url == entry:
+            p.refs = computing[key]
+            continue
+        use_cache = bool(p.rec.get("cache", True))
+        found = _lookup(entry) if use_cache else None
+        if found is not None:
+            p.refs = found
+            continue
+        attempt = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        R = int(p.rec["tolerance"]["perturbations"])
+        runs = ["reference"] + [f"perturbed-{i}" for i in range(R)]
+        rs = _RefSet(key, entry, f"{entry}/{attempt}", runs, "miss" if use_cache else "off",
+                     computed_by=p.check_id)
+        ref = dict(parallel=recipe.SINGLE_DEVICE, bug="none")
+        for i, run in enumerate(runs):
+            spec = recipe.job_spec(p.rec, run=run, store_url=rs.url, perturb_seed=i or None, **ref)
+            timeout = float(p.rec["timeout_s"])
+            rs.jobs.append(cluster.Job(run, spec, 1, label=f"ref {key[:8]}", timeout_s=timeout,
+                                       error_dir=p.output_dir / "errors"))
+        computing[key] = rs
+        p.refs = rs
+    return list(computing.values())
+
+
+def _lookup(entry: str) -> _RefSet | None:
+    """A cache entry is reused only if its COMPLETE marker exists and every run's manifests are committed."""
+    fs, path = fsspec.core.url_to_fs(entry)
+    try:
+        with fs.open(f"{path}/{COMPLETE}", "r") as f:
+            info = json.load(f)
+        url = f"{entry}/{info['attempt']}"
+        for run in info["runs"]:
+            read_run(url, run, 1)
+    except (FileNotFoundError, KeyError, json.JSONDecodeError, TTraceError):
+        return None
+    return _RefSet(entry.rsplit("/", 1)[1], entry, url, list(info["runs"]), "hit",
+                   computed_by=info.get("computed_by", ""))
+
+
+def _commit(rs: _RefSet) -> None:
+    """Mark a freshly computed entry complete (last, after every run's manifests are committed)."""
+    if rs.cache == "hit":
+        return
+    rs.error = next((j.error for j in rs.jobs if j.error), None)
+    if rs.error is None and any(j.state != "done" for j in rs.jobs):
+        rs.error = "reference jobs did not run"
+    if rs.error:
+        return
+    try:
+        for run in rs.runs:
+            read_run(rs.url, run, 1)
+        fs, path = fsspec.core.url_to_fs(rs.entry_url)
+        info = {"attempt": rs.url.rsplit("/", 1)[1], "runs": rs.runs, "computed_by": rs.computed_by,
+                "code_version": recipe.code_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with fs.open(f"{path}/{COMPLETE}", "w") as f:
+            json.dump(info, f)
+    except (TTraceError, OSError) as e:
+        rs.error = f"reference cache entry {rs.entry_url} could not be committed: {e}"
+
+
+def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResult:
+    timings, report = p.report["timings"], p.report
+    try:
+        if p.error:
+            raise TTraceError(p.error)
+        rs = p.refs
+        assert rs is not None and p.candidate is not None
+        report["reference"] = {"key": rs.key, "cache": rs.cache if rs.computed_by in ("", p.check_id)
+                               or rs.cache == "hit" else "shared",
+                               "url": rs.url, "computed_by": rs.computed_by}
+        timings["jobs"] = {j.name: j.seconds for j in ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]}
+        failed = [e for e in (rs.error, p.candidate.error) if e]
         if failed:
             raise TTraceError("; ".join(failed))
-
         t0 = time.perf_counter()
-        by_name = {j.name: load_logical(store_url, j.name, j.world_size) for j in jobs}
-        perturbed = [by_name[j.name] for j in jobs if j.name.startswith("perturbed")]
-        tol = rec["tolerance"]
-        comparison = compare(by_name["reference"], by_name["candidate"], perturbed,
-                             TolerancePolicy(k=float(tol["k"]), floor_ulps=float(tol["floor_ulps"])))
+        reference = load_logical(rs.url, "reference", 1)
+        perturbed = [load_logical(rs.url, run, 1) for run in rs.runs[1:]]
+        candidate = load_logical(p.store_url, "candidate", p.candidate.world_size)
+        tol = p.rec["tolerance"]
+        comparison = compare(reference, candidate, perturbed,
+                             TolerancePolicy.from_config(tol))
         timings["compare"] = time.perf_counter() - t0
         report.update(comparison.to_json())
         verdict, message = comparison.verdict, ""
@@ -66,27 +216,68 @@ def run_check(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResu
         verdict, message = "error", str(e)
         report.update(verdict="error", error=message, first_divergence=None, tensors=[])
 
-    report_path = output_dir / "report.json"
+    report_path = p.output_dir / "report.json"
     report_path.write_text(json.dumps(report, indent=1, default=str))
+    html_path = p.output_dir / "report.html"
+    try:
+        from orchestrator.html_report import write_html
+
+        write_html(report, html_path)
+    except Exception as e:  # a rendering bug must not hide the verdict
+        report["html_error"] = f"{type(e).__name__}: {e}"
+        html_path = None
     t0 = time.perf_counter()
-    if rec.get("tracking", {}).get("enabled", False):
+    if p.rec.get("tracking", {}).get("enabled", False):
         try:
-            report["mlflow_run_id"] = tracking.log_check(rec["tracking"], base_dir, report, report_path)
+            report["mlflow_run_id"] = tracking.log_check(p.rec["tracking"], base_dir, report, report_path,
+                                                         html_path=html_path, parent_run_id=parent_run_id)
         except Exception as e:  # a tracking outage must not turn a verdict into a crash
             report["tracking_error"] = f"{type(e).__name__}: {e}"
     timings["tracking"] = time.perf_counter() - t0
-    timings["total"] = time.perf_counter() - t_start
+    timings["total"] = time.perf_counter() - p.t_start
     report_path.write_text(json.dumps(report, indent=1, default=str))
     return CheckResult(verdict, report_path, report, message)
 
 
-def _plan_jobs(rec: dict[str, Any], store_url: str) -> list[cluster.Job]:
-    ref = dict(parallel=recipe.SINGLE_DEVICE, bug="none")
-    jobs = [cluster.Job("reference", recipe.job_spec(rec, run="reference", store_url=store_url, **ref), 1)]
-    for i in range(int(rec["tolerance"]["perturbations"])):
-        name = f"perturbed-{i}"
-        jobs.append(cluster.Job(name, recipe.job_spec(rec, run=name, store_url=store_url,
-                                                      perturb_seed=i + 1, **ref), 1))
-    world = int(rec["parallel"]["world_size"])
-    jobs.append(cluster.Job("candidate", recipe.job_spec(rec, run="candidate", store_url=store_url), world))
-    return jobs
+class _progress:
+    """Live display of the sweep's jobs (rich, on stderr) when enabled; a no-op callback otherwise."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.live, self.last = enabled, None, ""
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            self.live = Live(console=console, refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self.update
+
+    def update(self, jobs: list[cluster.Job]) -> None:
+        from rich.table import Table
+
+        counts = {s: sum(j.state == s for j in jobs) for s in ("queued", "running", "done", "failed")}
+        line = (f"ttrace jobs: {counts['queued']} queued, {counts['running']} running, "
+                f"{counts['done']} done, {counts['failed']} failed")
+        if self.live is None:      # not a terminal (cron, CI, a pipe): one log line per change
+            if line != self.last:
+                print(line, file=sys.stderr, flush=True)
+            self.last = line
+            return
+        table = Table(title=line, title_justify="left")
+        for col in ("for", "job", "ranks", "state"):
+            table.add_column(col)
+        for j in [j for j in jobs if j.state == "running"][:12]:
+            table.add_row(j.label, j.name, str(j.world_size), "[cyan]running")
+        for j in [j for j in jobs if j.state == "failed"][:5]:
+            table.add_row(j.label, j.name, str(j.world_size), "[red]failed")
+        self.live.update(table)
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+        return False

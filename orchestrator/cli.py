@@ -1,4 +1,12 @@
-"""`ttrace [overrides]`: one check (or a Hydra multirun with -m). Exit 0 pass, 1 divergence, 2 error."""
+"""`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace report <run-or-path>`: a summary.
+
+Exit 0 pass, 1 divergence, 2 error (a sweep exits with the worst of its checks).
+
+A sweep (`-m`) is composed by Hydra's sweeper and launcher as usual, but the task function only
+collects each job's composed recipe and output directory; once Hydra has composed them all, the
+checks run together on one Ray cluster (orchestrator.check.run_checks): distinct references are
+computed once, and every job runs as soon as the cluster has room for all its ranks.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,16 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrator.check import CheckResult, run_check
+from orchestrator.check import CheckResult, run_check, run_checks
 from orchestrator.recipe import to_dict
 
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
 _results: list[CheckResult] = []
+_pending: list[tuple[dict, Path]] = []     # a sweep's composed recipes, run together after composition
+_base_dir: list[str] = []
 
 
 def _summary(result: CheckResult) -> str:
@@ -33,16 +44,34 @@ def _summary(result: CheckResult) -> str:
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="config")
 def _check(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
-    result = run_check(to_dict(cfg), out, base_dir=hydra.utils.get_original_cwd())
+    _base_dir[:] = [hydra.utils.get_original_cwd()]
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        _pending.append((to_dict(cfg), out))
+        return
+    _emit(run_check(to_dict(cfg), out, base_dir=_base_dir[0]))
+
+
+def _emit(result: CheckResult) -> None:
     _results.append(result)
     print(_summary(result), file=sys.stderr if result.verdict == "error" else sys.stdout, flush=True)
     print(f"report: {result.report_path}", flush=True)
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "report":
+        from orchestrator.summary import main as report_main
+
+        sys.exit(report_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "nightly":
+        from orchestrator.nightly import main as nightly_main
+
+        sys.exit(nightly_main(sys.argv[2:]))
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     try:
         _check()
+        if _pending:
+            for result in run_checks(_pending, _base_dir[0], progress=True):
+                _emit(result)
     except SystemExit as e:
         if e.code not in (0, None) and not _results:
             print("ttrace: error: the recipe could not be composed (Hydra's message above says which option "

@@ -12,6 +12,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,10 @@ def _rendezvous() -> tuple[str, int]:
 
 @ray.remote(max_retries=0)
 def _rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int]) -> dict[str, Any]:
+    from orchestrator import storage
     from workloads.train import run_rank
 
+    storage.configure((spec.get("trace") or {}).get("storage"))   # S3 endpoint/timeouts; no credentials
     return run_rank(spec, rank, world_size, *rdzv)
 
 
@@ -66,10 +69,19 @@ class Job:
     results: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     error: str | None = None
+    label: str = ""                     # what the job is for (progress display): check or cache key
+    timeout_s: float | None = None      # per-job override of run_jobs(timeout_s=...)
+    error_dir: Path | None = None       # per-job override of run_jobs(error_dir=...)
+    state: str = "queued"               # queued | running | done | failed
 
 
-def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_dir: Path) -> None:
-    """Run every job to completion or failure (recorded in job.error); never hangs past timeouts."""
+def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_dir: Path,
+             on_change: Callable[[list[Job]], None] | None = None) -> None:
+    """Run every job to completion or failure (recorded in job.error); never hangs past timeouts.
+
+    All jobs' placement groups are requested at once: Ray starts each job when all its ranks fit
+    (gang scheduling) and never oversubscribes the bundles' CPUs. `on_change(jobs)` is called
+    whenever a job changes state (progress display)."""
     use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
     bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
     capacity = ray.cluster_resources().get("CPU", 0)
@@ -78,47 +90,57 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
             raise ConfigError(f"job '{job.name}' needs {job.world_size} ranks x {cpus_per_rank} CPUs but "
                               f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
                               "larger cluster (cluster.address)")
-    running: dict[str, tuple[Job, Any, list[ray.ObjectRef], float | None]] = {}
-    for job in jobs:
+    notify = (lambda: on_change(jobs)) if on_change else (lambda: None)
+    running: dict[int, tuple[Job, Any, list[ray.ObjectRef], float | None]] = {}
+    for i, job in enumerate(jobs):
         pg = placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
-        running[job.name] = (job, pg, [], None)
-    queue_deadline = time.monotonic() + timeout_s * max(1, len(jobs))
+        job.state = "queued"
+        running[i] = (job, pg, [], None)
+    notify()
+    limit = lambda job: job.timeout_s if job.timeout_s is not None else timeout_s
+    queue_deadline = time.monotonic() + max(limit(j) for j in jobs) * max(1, len(jobs)) if jobs else 0.0
     try:
         while running:
-            for name, (job, pg, refs, started) in list(running.items()):
+            for key, (job, pg, refs, started) in list(running.items()):
                 if started is None:
                     ready, _ = ray.wait([pg.ready()], timeout=0)
                     if ready:
                         refs = _launch(job, pg)
-                        running[name] = (job, pg, refs, time.monotonic())
+                        running[key] = (job, pg, refs, time.monotonic())
+                        job.state = "running"
+                        notify()
                     elif time.monotonic() > queue_deadline:
                         job.error = (f"job '{job.name}' could not be scheduled: no room for "
                                      f"{job.world_size} ranks on the cluster within "
-                                     f"{timeout_s * len(jobs):.0f}s")
-                        _finish(running, name, cancel=True)
+                                     f"{limit(job) * len(jobs):.0f}s")
+                        _finish(running, key, cancel=True)
+                        notify()
                     continue
                 done, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
                 if any(_failed(r) for r in done):
                     # Give the peers a moment to fail too, so the root cause (the rank that raised or
                     # died first) is reported beside the collective errors it caused.
                     done, pending = ray.wait(refs, num_returns=len(refs), timeout=FAILURE_GRACE_S)
-                    job.error = _failures(job, refs, done, pending, error_dir)
-                    _finish(running, name, cancel=True)
+                    job.error = _failures(job, refs, done, pending, job.error_dir or error_dir)
+                    _finish(running, key, cancel=True)
+                    notify()
                 elif not pending:
                     job.results = sorted(ray.get(done), key=lambda r: r["rank"])
                     job.seconds = time.monotonic() - started
-                    _finish(running, name)
-                elif time.monotonic() - started > timeout_s:
+                    _finish(running, key)
+                    notify()
+                elif time.monotonic() - started > limit(job):
                     waiting = sorted(i for i, r in enumerate(refs) if r in pending)
-                    job.error = (f"job '{job.name}' timed out after {timeout_s:.0f}s; rank(s) {waiting} "
+                    job.error = (f"job '{job.name}' timed out after {limit(job):.0f}s; rank(s) {waiting} "
                                  "never finished (a hang in a collective?); raise timeout_s if the job is "
                                  "just slow")
-                    _finish(running, name, cancel=True)
+                    _finish(running, key, cancel=True)
+                    notify()
             if running:
                 time.sleep(0.1)
     finally:
-        for name in list(running):
-            _finish(running, name, cancel=True)
+        for key in list(running):
+            _finish(running, key, cancel=True)
 
 
 def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
@@ -164,8 +186,9 @@ def _failures(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef], pe
     return f"job '{job.name}' failed: " + "; ".join(m for _, m in sorted(msgs, key=lambda m: m[0])) + tail
 
 
-def _finish(running: dict[str, Any], name: str, cancel: bool = False) -> None:
-    job, pg, refs, _ = running.pop(name)
+def _finish(running: dict[int, Any], key: int, cancel: bool = False) -> None:
+    job, pg, refs, _ = running.pop(key)
+    job.state = "failed" if (cancel or job.error) else "done"
     if cancel:
         for ref in refs:
             ray.cancel(ref, force=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -36,16 +38,45 @@ def fingerprint(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def code_version() -> str:
+    """Hash of the sources that produce a trace (tracer/ and workloads/): a code change invalidates
+    every cached reference. TTRACE_CODE_VERSION (e.g. a release tag or git sha) overrides it."""
+    return os.environ.get("TTRACE_CODE_VERSION") or _source_hash()
+
+
+@lru_cache(maxsize=1)
+def _source_hash() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for pkg in ("tracer", "workloads"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def reference_key(recipe: dict[str, Any]) -> str:
+    """Content key of a check's reference and perturbed references (the reference cache's key):
+    the recipe parts a reference depends on, the number R of perturbed references, the traced
+    selection and the code version."""
+    key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(recipe["tolerance"]["perturbations"]),
+                      "trace": recipe.get("trace"), "code": code_version()}, sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
 def job_spec(recipe: dict[str, Any], *, run: str, store_url: str, parallel: dict[str, Any] | None = None,
              bug: str | None = None, perturb_seed: int | None = None) -> dict[str, Any]:
     """The plain dict a rank receives (see workloads.train.run_rank)."""
+    from orchestrator.storage import options as store_options
+
     return {
         "model": recipe["model"], "precision": recipe["precision"], "data": recipe["data"],
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run, "perturb_seed": perturb_seed, "enabled": True,
-                  "fingerprint": fingerprint(recipe)},
+                  "fingerprint": fingerprint(recipe),
+                  # endpoint and timeouts for S3 stores, never credentials
+                  "storage": store_options(recipe.get("store") or {})},
         "timeout_s": recipe["timeout_s"],
         # Faults are injected into the candidate only: the reference must stay trustworthy.
         "fault": recipe.get("fault") if run == "candidate" else None,

@@ -29,19 +29,54 @@ def _tracking_uri(uri: str, base_dir: str) -> str:
     return uri
 
 
-def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report_path: Path) -> str:
-    """Log the check as one MLflow run (report_path is already written); returns its run id."""
+def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:
     import mlflow
-    from mlflow.entities import Metric
 
     mlflow.set_tracking_uri(_tracking_uri(cfg["uri"], base_dir))
     client = mlflow.MlflowClient()
     exp = client.get_experiment_by_name(cfg["experiment"])
     if exp is None:
         root = Path(base_dir, cfg.get("artifact_root") or "mlartifacts").resolve()
-        exp_id = client.create_experiment(cfg["experiment"], artifact_location=root.as_uri())
-    else:
-        exp_id = exp.experiment_id
+        return client, client.create_experiment(cfg["experiment"], artifact_location=root.as_uri())
+    return client, exp.experiment_id
+
+
+def start_parent(cfg: dict[str, Any], base_dir: str, name: str, tags: dict[str, str]) -> str:
+    """A parent run (nightly, sweep) that checks are logged under as children; returns its id."""
+    client, exp_id = _client(cfg, base_dir)
+    return client.create_run(exp_id, run_name=name, tags=tags).info.run_id
+
+
+def end_parent(cfg: dict[str, Any], base_dir: str, run_id: str, metrics: dict[str, float],
+               artifacts: list[Path], ok: bool) -> None:
+    from mlflow.entities import Metric
+
+    client, _ = _client(cfg, base_dir)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+    for path in artifacts:
+        client.log_artifact(run_id, str(path))
+    client.set_terminated(run_id, status="FINISHED" if ok else "FAILED")
+
+
+def module_metrics(tensors: list[dict[str, Any]]) -> dict[str, float]:
+    """Per (module type, kind) maxima: comparable side by side across a sweep in MLflow's run
+    comparison, and a bounded count (module types x kinds) whatever the model's depth."""
+    out: dict[str, float] = {}
+    for t in tensors:
+        group = f"{t.get('module_type') or 'model'}/{t['kind']}"
+        ratio = t["rel_err"] / t["tolerance"] if t["tolerance"] > 0 else 0.0
+        for name, val in ((f"rel_err/{group}", t["rel_err"]), (f"err_over_tol/{group}", ratio)):
+            out[name] = max(out.get(name, 0.0), min(float(val), 1e300))
+    return out
+
+
+def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report_path: Path,
+              html_path: Path | None = None, parent_run_id: str | None = None) -> str:
+    """Log the check as one MLflow run (report_path is already written); returns its run id."""
+    from mlflow.entities import Metric
+
+    client, exp_id = _client(cfg, base_dir)
     rec = report["recipe"]
     fd = report.get("first_divergence") or {}
     tags = {"verdict": report["verdict"], "check_id": report["check_id"],
@@ -50,6 +85,11 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
             "first_divergence.kind": fd.get("kind", "")}
     if report.get("error"):
         tags["error"] = report["error"][:5000]
+    if report.get("reference"):
+        tags["reference.cache"] = report["reference"]["cache"]
+        tags["reference.key"] = report["reference"]["key"]
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp_id, run_name=f"{rec['parallel']['name']}/{rec['bug']['name']}", tags=tags)
     run_id = run.info.run_id
     params = {k: v[:6000] for k, v in _flatten({k: v for k, v in rec.items() if k != "tracking"}).items()}
@@ -67,11 +107,14 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
         metrics.append(Metric("divergent_tensors", sum(not t["ok"] for t in tensors), now, 0))
         metrics.append(Metric("max_err_over_tolerance",
                               max(t["rel_err"] / t["tolerance"] for t in tensors), now, 0))
+    metrics += [Metric(k, v, now, 0) for k, v in module_metrics(tensors).items()]
     for key, val in report.get("timings", {}).items():
         if isinstance(val, (int, float)):
             metrics.append(Metric(f"seconds.{key}", float(val), now, 0))
     for i in range(0, len(metrics), BATCH):
         client.log_batch(run_id, metrics=metrics[i:i + BATCH])
     client.log_artifact(run_id, str(report_path))
+    if html_path is not None and html_path.exists():
+        client.log_artifact(run_id, str(html_path))
     client.set_terminated(run_id, status="FINISHED" if report["verdict"] != "error" else "FAILED")
     return run_id

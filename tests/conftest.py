@@ -11,6 +11,11 @@ def ray_cluster():
 
     from orchestrator.cluster import ensure_ray
 
+    # Ray workers inherit the environment at start: credentials for the local S3 test server (moto
+    # accepts any), given the standard AWS way, as on a real cluster. Never used for a real AWS.
+    for var, val in (("AWS_ACCESS_KEY_ID", "ttrace-test"), ("AWS_SECRET_ACCESS_KEY", "ttrace-test-secret"),
+                     ("AWS_DEFAULT_REGION", "us-east-1")):
+        os.environ.setdefault(var, val)
     ensure_ray({"address": None, "num_cpus": None})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

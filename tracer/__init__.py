@@ -4,10 +4,11 @@ from tracer.collector import Tracer, canonical_name
 from tracer.errors import ConfigError, JobError, TraceError, TTraceError
 from tracer.generator import full_tensor, perturb_ulp, token_batch
 from tracer.layouts import Layout, Partial, Replicate, Shard
-from tracer.plan import ModuleLayout, PipelineRenaming, param_layouts
+from tracer.plan import LayerRenaming, ModuleLayout, PipelineRenaming, param_layouts
 
 __all__ = [
-    "ConfigError", "JobError", "Layout", "ModuleLayout", "Partial", "PipelineRenaming", "Replicate",
+    "ConfigError", "JobError", "LayerRenaming", "Layout", "ModuleLayout", "Partial", "PipelineRenaming",
+    "Replicate",
     "Shard", "TTraceError", "TraceError", "Tracer", "canonical_name", "full_tensor", "param_layouts",
     "perturb_ulp", "token_batch",
 ]

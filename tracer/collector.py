@@ -66,7 +66,8 @@ class Tracer:
         for name, module, entry in traced_modules(model, plan):
             if entry.trace:
                 self._handles.append(module.register_forward_hook(
-                    self._forward_hook(self._rename(name), type(module).__name__, entry.output)))
+                    self._forward_hook(self._rename(name), type(module).__name__, entry.output,
+                                       entry.grad_layout)))
 
     def set_grad_scale(self, scale: float) -> None:
         """Factor turning this rank's activation grads into d(global loss)/d(activation).
@@ -122,6 +123,15 @@ class Tracer:
         """Call after the optimizer step."""
         self._record_params(model, "param")
 
+    def record_param_grad_shards(self, shards: Mapping[str, tuple[torch.Tensor, Layout]]) -> None:
+        """Param grads as a distributed optimizer holds them: `shards[local name] = (this rank's
+        shard, layout of that shard)` (e.g. the plan's layout with a DP shard nested inside)."""
+        if not self.enabled:
+            return
+        for pname, (t, layout) in shards.items():
+            mtype = self._params.get(pname, (Replicate(), ""))[1]
+            self.record(self._rename(pname), "param_grad", t, layout, module_type=mtype)
+
     def close(self) -> None:
         """Commit this rank's trace (manifest last). Call on every rank after training."""
         if not self.enabled:
@@ -143,7 +153,9 @@ class Tracer:
             layout, mtype = self._params.get(pname, (Replicate(), ""))
             self.record(self._rename(pname), kind, t, layout, module_type=mtype)
 
-    def _forward_hook(self, path: str, module_type: str, layout: Layout):
+    def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
+        grad_layout = layout if grad_layout is None else grad_layout
+
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if not isinstance(out, torch.Tensor) or self._step is None:
@@ -156,7 +168,7 @@ class Tracer:
                 def grad_hook(grad: torch.Tensor) -> None:
                     prev, self._step = self._step, step
                     try:
-                        self.record(path, "grad_output", grad, layout, microbatch=mb,
+                        self.record(path, "grad_output", grad, grad_layout, microbatch=mb,
                                     module_type=module_type, scale=self._grad_scale)
                     finally:
                         self._step = prev

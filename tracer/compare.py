@@ -15,7 +15,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.layouts import Assembled, Layout, Piece, assemble
 from tracer.store import read_run
-from tracer.tolerance import TolerancePolicy
+from tracer.tolerance import TolerancePolicy, elem_err, elem_noise, noise_scale, unit_roundoff
 
 KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
 
@@ -78,11 +78,16 @@ class TensorResult:
     nonfinite: int             # non-finite values in the candidate
     replica_err: float         # disagreement between candidate replicas that must be identical
     tolerance: float           # on rel_err and replica_err
-    noise: float               # largest rel_err of a perturbed reference
+    noise: float               # largest rel_err of a perturbed reference (this tensor; the tolerance
+                               # uses the max over the step's microbatches of the same module and kind)
     max_noise: float           # largest max_err of a perturbed reference (reported, not judged)
     analytic_bound: float      # Megatron-CI style k * C**depth * eps, for comparison
     ok: bool
     reason: str = ""
+    elem_err: float = 0.0        # max_i |c_i - r_i| / per-element noise scale (tracer.tolerance)
+    elem_noise: float = 0.0      # largest leave-one-out elem_err of a perturbed reference
+    elem_tolerance: float = math.inf   # on elem_err
+    excused: int = 0             # param elements not judged: their update sign is within grad noise
 
 
 @dataclass
@@ -153,6 +158,37 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         if lost:
             raise TraceError(f"perturbed reference '{p.run}' lacks {len(lost)} tensors (e.g. {lost[:3]})")
 
+    # Noise is pooled over the microbatches of a step: the same module and kind computed on
+    # exchangeable data, so R perturbed runs give R * microbatches draws of the same noise process
+    # (quantization noise is heavy-tailed: a few draws can land unluckily small).
+    family = lambda n: (reference.info[n]["step"], reference.info[n]["module"], reference.info[n]["kind"])
+    pooled: dict[tuple, tuple[float, float]] = {}
+    own: dict[str, tuple[float, float]] = {}
+    # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
+    # (as measured on this step's param_grad) may step either way under any honest reordering, so
+    # the post-step `param` is judged on the other elements; such elements accumulate over steps.
+    undetermined: dict[str, torch.Tensor] = {}
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+
+    def judged(name: str, t: torch.Tensor) -> torch.Tensor:
+        m = undetermined.get(path(name)) if reference.info[name]["kind"] == "param" else None
+        return t if m is None or m.shape != t.shape else t[~m]
+
+    for name in reference.order:
+        e = reference.info[name]
+        u = unit_roundoff(e["dtype"])
+        r = judged(name, reference.tensors[name].tensor)
+        ps = [judged(name, p.tensors[name].tensor) for p in perturbed]
+        own[name] = (max((rel_err(p, r) for p in ps), default=0.0), max(elem_noise(ps, r, u), default=0.0))
+        f = pooled.get(family(name), (0.0, 0.0))
+        pooled[family(name)] = (max(f[0], own[name][0]), max(f[1], own[name][1]))
+        if e["kind"] == "param_grad" and ps and r.numel():
+            env = torch.stack([(p - r).abs() for p in ps]).amax(0)
+            near_zero = r.abs() <= policy.k_elem * (env + (own[name][0] + u) * r.square().mean().sqrt())
+            prev = undetermined.get(path(name))
+            undetermined[path(name)] = near_zero if prev is None or prev.shape != r.shape else (
+                prev | near_zero)
+
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
     for index, name in enumerate(reference.order):
@@ -168,20 +204,30 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
                              "even on one device, fix it before comparing")
         depth = depth_of.setdefault(e["module"], len(depth_of))
         nonfinite = int((~torch.isfinite(c)).sum().item())
-        noise = [rel_err(p.tensors[name].tensor, r) for p in perturbed]
-        tol = policy.tolerance(noise, e["dtype"])
+        noise, e_noise = pooled[family(name)]
+        tol = policy.tolerance([noise], e["dtype"])
+        u = unit_roundoff(e["dtype"])
+        full_c = c
+        r, c = judged(name, r), judged(name, c)
+        ps = [judged(name, p.tensors[name].tensor) for p in perturbed]
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
             step=e["step"], microbatch=e["microbatch"], index=index,
             rel_err=_finite(rel_err(c, r)), max_err=_finite(max_err(c, r)), cosine=cosine(c, r),
+            excused=full_c.numel() - c.numel(),
             nonfinite=nonfinite, replica_err=_finite(got.replica_err), tolerance=tol,
-            noise=max(noise, default=0.0),
-            max_noise=max((max_err(p.tensors[name].tensor, r) for p in perturbed), default=0.0),
-            analytic_bound=policy.analytic_bound(depth, e["dtype"]), ok=True)
+            noise=own[name][0],
+            max_noise=max((max_err(p, r) for p in ps), default=0.0),
+            analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
+            elem_err=_finite(elem_err(c, r, noise_scale(ps, r, u))), elem_noise=own[name][1],
+            elem_tolerance=policy.elem_tolerance([e_noise]))
         if nonfinite:
             res.ok, res.reason = False, f"{nonfinite} non-finite values"
         elif res.rel_err > tol:
             res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"
+        elif res.elem_err > res.elem_tolerance:
+            res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
+                                         f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")
         elif res.replica_err > tol:
             res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} disagree "
                                          f"(rel {res.replica_err:.3g} > {tol:.3g})")

@@ -23,18 +23,24 @@ class Layout:
 
     shard: tuple[tuple[int, str], ...] = ()
     partial: tuple[str, ...] = ()
+    # Sharded axes split load-balanced ("zigzag", context parallelism): the dim is cut into 2n chunks
+    # and coordinate i holds chunks i and 2n-1-i, concatenated (causal attention work evens out).
+    zigzag: tuple[str, ...] = ()
 
     @property
     def axes(self) -> tuple[str, ...]:
         return tuple(a for _, a in self.shard) + self.partial
 
     def to_json(self) -> dict[str, Any]:
-        return {"shard": [list(s) for s in self.shard], "partial": list(self.partial)}
+        out: dict[str, Any] = {"shard": [list(s) for s in self.shard], "partial": list(self.partial)}
+        if self.zigzag:
+            out["zigzag"] = list(self.zigzag)
+        return out
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> Layout:
         return Layout(tuple((int(dim), str(ax)) for dim, ax in d.get("shard", ())),
-                      tuple(d.get("partial", ())))
+                      tuple(d.get("partial", ())), tuple(d.get("zigzag", ())))
 
     def local(self, full: torch.Tensor, coords: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
         """This rank's shard of a full logical tensor (a view; partial sums cannot be sliced)."""
@@ -43,9 +49,16 @@ class Layout:
         out = full
         for dim, axis in self.shard:
             n = sizes.get(axis, 1)
-            if out.shape[dim] % n:
-                raise TraceError(f"dim {dim} of size {out.shape[dim]} is not divisible by {axis}={n}")
-            out = out.chunk(n, dim=dim)[coords.get(axis, 0)]
+            parts = 2 * n if axis in self.zigzag else n
+            if out.shape[dim] % parts:
+                raise TraceError(f"dim {dim} of size {out.shape[dim]} is not divisible by {parts} "
+                                 f"({axis}={n})")
+            i = coords.get(axis, 0)
+            if axis in self.zigzag:
+                chunks = out.chunk(parts, dim=dim)
+                out = torch.cat([chunks[i], chunks[parts - 1 - i]], dim=dim)
+            else:
+                out = out.chunk(n, dim=dim)[i]
         return out
 
 
@@ -85,6 +98,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if diff == 0.0:
         return 0.0
     return diff / denom if denom > 0 else float("inf")
+
+
+def _unzigzag(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    halves = [p.chunk(2, dim=dim) for p in pieces]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
 
 def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[str, int]) -> Assembled:
@@ -144,8 +162,12 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         merged: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
         for key, t in current.items():
             merged.setdefault(key[:i], []).append((key[i], t))
-        current = {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])], dim=dim)
-                   for k, v in merged.items()}
+        if layout.shard[i][1] in layout.zigzag:   # coordinate j holds chunks j and 2n-1-j
+            current = {k: _unzigzag([t for _, t in sorted(v, key=lambda x: x[0])], dim)
+                       for k, v in merged.items()}
+        else:
+            current = {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])], dim=dim)
+                       for k, v in merged.items()}
     (tensor,) = current.values()
     return Assembled(tensor=tensor, replica_err=replica_err, replica_ranks=worst,
                      ranks=sorted(p.rank for p in pieces))

@@ -21,6 +21,13 @@ class ModuleLayout:
     output: Layout = field(default_factory=Replicate)
     params: Mapping[str, Layout] = field(default_factory=dict)  # relative param name -> layout
     trace: bool = True  # trace the output and its gradient
+    # Layout of the output's gradient when it differs from the output's: a replicated output used by
+    # TP-parallel consumers (e.g. a KV head shared by several TP ranks) has a partial-sum gradient.
+    grad: Layout | None = None
+
+    @property
+    def grad_layout(self) -> Layout:
+        return self.output if self.grad is None else self.grad
 
 
 Plan = Mapping[str, ModuleLayout]
@@ -72,3 +79,16 @@ class PipelineRenaming:
 
 
 Rename = Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class LayerRenaming:
+    """Rename local layer numbers through an explicit table (VPP: a rank's chunks hold non-contiguous
+    global layers, e.g. pp=2, vpp=2 puts layers 0 and 2 on stage 0 as its local layers 0 and 1)."""
+
+    global_index: tuple[int, ...]
+    pattern: str = r"^layers\.(\d+)"
+
+    def __call__(self, name: str) -> str:
+        return re.sub(self.pattern, lambda m: m.group(0)[: m.start(1) - m.start(0)]
+                      + str(self.global_index[int(m.group(1))]), name, count=1)

@@ -9,7 +9,7 @@ from typing import Any
 from tracer.errors import ConfigError
 from workloads import bugs, faults
 
-SUPPORTED_PRECISIONS = ("fp32",)
+SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp8")   # see workloads/precision.py
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,20 @@ class ModelConfig:
     layers: int
     seq_len: int
     ffn_hidden: int
+    arch: str = "gpt"               # gpt (LayerNorm, GELU, learned positions) | llama (workloads/llama.py)
+    kv_heads: int = 0               # llama GQA: key/value heads (0 = heads); may be fewer than tp
+    tie_embeddings: bool = False    # LM head reuses the word embedding (summed across first/last PP stage)
+    experts: int = 0                # MoE (workloads/moe.py): experts per MoE layer (0 = dense MLP)
+    top_k: int = 2
+    aux_loss_coeff: float = 0.01    # load-balancing auxiliary loss
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
 
 
 @dataclass(frozen=True)
@@ -34,10 +44,14 @@ class ParallelConfig:
     tp: int
     pp: int
     sp: bool
+    zero1: bool = False   # distributed optimizer: grads reduce-scattered over DP, Adam state sharded
+    vpp: int = 1          # virtual pipeline: model chunks per PP rank (interleaved 1F1B)
+    cp: int = 1           # context parallelism: ring attention over zigzag sequence chunks
+    ep: int = 1           # expert parallelism (carved out of DP): experts sharded over ep DP ranks
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
 
 @dataclass(frozen=True)
@@ -93,10 +107,15 @@ def parse(spec: Mapping[str, Any]) -> Config:
         name=str(m.get("name", "model")), vocab=_get(m, "model", "vocab", int),
         hidden=_get(m, "model", "hidden", int), heads=_get(m, "model", "heads", int),
         layers=_get(m, "model", "layers", int), seq_len=_get(m, "model", "seq_len", int),
-        ffn_hidden=int(m.get("ffn_hidden", 4 * _get(m, "model", "hidden", int))))
+        ffn_hidden=int(m.get("ffn_hidden", 4 * _get(m, "model", "hidden", int))),
+        arch=str(m.get("arch", "gpt")), kv_heads=int(m.get("kv_heads", 0) or 0),
+        tie_embeddings=bool(m.get("tie_embeddings", False)), experts=int(m.get("experts", 0) or 0),
+        top_k=int(m.get("top_k", 2)), aux_loss_coeff=float(m.get("aux_loss_coeff", 0.01)))
     parallel = ParallelConfig(
         name=str(p.get("name", "parallel")), world_size=_get(p, "parallel", "world_size", int),
-        tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)))
+        tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)),
+        zero1=bool(p.get("zero1", False)), vpp=int(p.get("vpp", 1) or 1),
+        cp=int(p.get("cp", 1) or 1), ep=int(p.get("ep", 1) or 1))
     perturb = trace.get("perturb_seed")
     return Config(
         model=model, parallel=parallel,
@@ -155,6 +174,56 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in bugs.CATALOG,
          f"unknown bug '{cfg.bug}'; known bugs: {', '.join(sorted(bugs.CATALOG))} (or 'none')")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
+    _validate_variants(cfg, need)
     fault = spec.get("fault") or {}
     need(fault.get("kind", "none") in faults.KINDS,
          f"unknown fault.kind '{fault.get('kind')}'; known: {', '.join(faults.KINDS)}")
+
+
+MODEL_ARCHS = ("gpt", "llama")
+
+
+def _validate_variants(cfg: Config, need: Any) -> None:
+    """Model variants (llama GQA, tied embeddings) and the distributed optimizer."""
+    m, p = cfg.model, cfg.parallel
+    need(m.arch in MODEL_ARCHS, f"model.arch={m.arch} is unknown (known: {', '.join(MODEL_ARCHS)})")
+    kv = m.num_kv_heads
+    need(m.kv_heads == 0 or m.arch == "llama",
+         f"model.kv_heads={m.kv_heads} (grouped-query attention) needs model.arch=llama")
+    need(kv >= 1 and m.heads % kv == 0,
+         f"heads={m.heads} is not divisible by kv_heads={kv}; pick kv_heads dividing the head count")
+    need(kv % p.tp == 0 or p.tp % kv == 0,
+         f"kv_heads={kv} and tp={p.tp}: one must divide the other (KV heads are sharded over TP, or "
+         f"replicated across the tp/kv_heads ranks that share one)")
+    need(not m.tie_embeddings or m.arch == "llama",
+         "model.tie_embeddings=true is implemented for model.arch=llama (model=llama_tiny)")
+    need(p.vpp >= 1, f"parallel.vpp={p.vpp} must be >= 1")
+    need(p.cp >= 1, f"parallel.cp={p.cp} must be >= 1")
+    if p.cp > 1:
+        need(p.world_size % (p.tp * p.pp * p.cp) == 0,
+             f"world_size={p.world_size} is not divisible by tp*pp*cp={p.tp * p.pp * p.cp}")
+        need(m.seq_len % (2 * p.cp) == 0,
+             f"seq_len={m.seq_len} is not divisible by 2*cp={2 * p.cp} (zigzag: two chunks per CP rank)")
+        need(not p.sp, "sequence parallelism together with context parallelism is not supported yet; "
+                       "use sp=false with cp > 1")
+        need(p.vpp == 1, "virtual pipelining together with context parallelism is not supported yet")
+    if p.vpp > 1:
+        need(p.pp > 1, f"vpp={p.vpp} (interleaved pipeline) needs pp > 1")
+        need(m.layers % (p.pp * p.vpp) == 0,
+             f"layers={m.layers} is not divisible by pp*vpp={p.pp * p.vpp}; each chunk needs whole layers")
+        need(cfg.micro_batches_local % p.pp == 0,
+             f"interleaved 1F1B needs the local microbatch count ({cfg.micro_batches_local}) to be a "
+             f"multiple of pp={p.pp}; adjust data.global_batch / data.micro_batch")
+    need(p.ep == 1 or m.experts > 0,
+         f"parallel.ep={p.ep} (expert parallelism) needs a mixture-of-experts model (model=moe_tiny); "
+         f"model={m.name} is dense")
+    if m.experts > 0:
+        need(m.arch == "llama", "model.experts > 0 (MoE) is implemented for model.arch=llama")
+        need(1 <= m.top_k <= m.experts, f"model.top_k={m.top_k} must be in 1..experts={m.experts}")
+        need(p.dp % p.ep == 0, f"ep={p.ep} must divide dp={p.dp} (EP is carved out of data parallelism)")
+        need(m.experts % p.ep == 0, f"experts={m.experts} is not divisible by ep={p.ep}")
+        need(p.pp == 1 and p.cp == 1 and not p.zero1,
+             "MoE is implemented without pp, cp and zero1 so far; use tp/sp/dp/ep recipes (ep2, ep2_tp2)")
+    if p.zero1:
+        need(p.dp > 1 or p.world_size == 1,
+             f"zero1=true shards the optimizer over DP but dp={p.dp}; use a recipe with dp >= 2")

@@ -32,6 +32,7 @@ class ColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.linear = F.linear   # the GEMM; precision recipes swap in BF16/FP8 (workloads/precision.py)
         self.weight = _param(out_features // tp_size, in_features)
         self.bias = _param(out_features // tp_size) if bias else None
 
@@ -40,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp_region(x, self.group)
         else:
             x = copy_to_tp_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -54,6 +55,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False, bias_per_rank: bool = False):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.linear = F.linear   # the GEMM; precision recipes swap in BF16/FP8 (workloads/precision.py)
         self.bias_per_rank = bias_per_rank   # bug switch row_parallel_bias_per_rank
         self.weight = _param(out_features, in_features // tp_size)
         self.bias = _param(out_features)
@@ -63,9 +65,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias_per_rank:
             # BUG row_parallel_bias_per_rank: bias joins the partial sum, so it is counted tp times.
-            y = F.linear(x, self.weight, self.bias)
+            y = self.linear(x, self.weight, self.bias)
         else:
-            y = F.linear(x, self.weight)
+            y = self.linear(x, self.weight)
         y = reduce_scatter_to_sp_region(y, self.group) if self.sequence_parallel else reduce_from_tp_region(
             y, self.group)
         return y if self.bias_per_rank else y + self.bias

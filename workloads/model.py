@@ -40,7 +40,8 @@ class Embedding(nn.Module):
         self.position = nn.Embedding(cfg.model.seq_len, cfg.model.hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
+        pos = getattr(self, "positions", None)   # context parallelism: this rank's zigzag positions
+        pos = torch.arange(ids.shape[1], device=ids.device) if pos is None else pos
         h = self.word(ids) + self.position(pos).unsqueeze(0)
         return scatter_to_sp_region(h, self.group) if self.sp else h
 
@@ -54,13 +55,14 @@ class CoreAttention(nn.Module):
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         b, s, _ = qkv.shape
+        dtype, qkv = qkv.dtype, qkv.float()   # FP32 inside, output in the input dtype (flash-attention style)
         # Per-head layout [heads, 3, head_dim]: a TP shard of contiguous heads is contiguous.
         q, k, v = qkv.view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)  # each [b, lh, s, d]
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         causal = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
         ctx = torch.matmul(probs, v)                                    # [b, lh, s, d]
-        return ctx.transpose(1, 2).reshape(b, s, -1)
+        return ctx.transpose(1, 2).reshape(b, s, -1).to(dtype)
 
 
 class Attention(nn.Module):
@@ -112,7 +114,8 @@ class TokenLoss(nn.Module):
         self.vocab_start = ps.tp_rank * (vocab // ps.tp_size)
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
+        # Cross-entropy on FP32 logits (Megatron's default, fp16_lm_cross_entropy=False).
+        return vocab_parallel_cross_entropy(logits.float(), labels, self.group, self.vocab_start)
 
 
 class GPTStage(nn.Module):

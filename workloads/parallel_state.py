@@ -1,4 +1,5 @@
-"""Mesh coordinates and process groups (Megatron order: rank = tp + tp_size*(dp + dp_size*pp))."""
+"""Mesh coordinates and process groups (Megatron order tp-cp-dp-pp:
+rank = tp + tp_size*(cp + cp_size*(dp + dp_size*pp)); cp_size is 1 unless context parallelism is on)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch.distributed as dist
 from workloads.config import ParallelConfig
 
 
-def rank_of(tp: int, dp: int, pp: int, sizes: dict[str, int]) -> int:
-    return tp + sizes["tp"] * (dp + sizes["dp"] * pp)
+def rank_of(tp: int, dp: int, pp: int, sizes: dict[str, int], cp: int = 0) -> int:
+    return tp + sizes["tp"] * (cp + sizes.get("cp", 1) * (dp + sizes["dp"] * pp))
 
 
 @dataclass
@@ -21,7 +22,8 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
-    mp_group: dist.ProcessGroup | None   # every TP and PP rank sharing this rank's dp index
+    mp_group: dist.ProcessGroup | None   # every TP and PP rank sharing this rank's dp (and cp) index
+    cp_group: dist.ProcessGroup | None = None   # context parallelism: ranks holding this sequence's chunks
 
     @property
     def tp_size(self) -> int:
@@ -53,22 +55,30 @@ class ParallelState:
 
     def stage_rank(self, pp: int) -> int:
         """Global rank of the same (tp, dp) coordinates on pipeline stage `pp` (the p2p peer)."""
-        return rank_of(self.coords["tp"], self.coords["dp"], pp, self.sizes)
+        return rank_of(self.coords["tp"], self.coords["dp"], pp, self.sizes, self.coords.get("cp", 0))
+
+    @property
+    def cp_size(self) -> int:
+        return self.sizes.get("cp", 1)
 
 
 def initialize(parallel: ParallelConfig, rank: int, world_size: int) -> ParallelState:
     """Create every subgroup on every rank in the same order (dist.new_group is collective)."""
-    tp, pp = parallel.tp, parallel.pp
-    sizes = {"tp": tp, "dp": world_size // (tp * pp), "pp": pp}
+    tp, pp, cp = parallel.tp, parallel.pp, parallel.cp
+    sizes = {"tp": tp, "dp": world_size // (tp * pp * cp), "pp": pp}
     dp = sizes["dp"]
-    coords = {"tp": rank % tp, "dp": (rank // tp) % dp, "pp": rank // (tp * dp)}
-    r = lambda t, d, p: rank_of(t, d, p, sizes)
+    coords = {"tp": rank % tp, "dp": (rank // (tp * cp)) % dp, "pp": rank // (tp * cp * dp)}
+    if cp > 1:   # the cp axis exists only when it is used (traces of other layouts keep their mesh)
+        sizes["cp"], coords["cp"] = cp, (rank // tp) % cp
+    r = lambda t, d, p, c=0: rank_of(t, d, p, sizes, c)
+    C = range(cp)
 
     families = {
-        "tp": [[r(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "mp": [[r(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "tp": [[r(t, d, p, c) for t in range(tp)] for p in range(pp) for d in range(dp) for c in C],
+        "dp": [[r(t, d, p, c) for d in range(dp)] for p in range(pp) for t in range(tp) for c in C],
+        "pp": [[r(t, d, p, c) for p in range(pp)] for d in range(dp) for t in range(tp) for c in C],
+        "mp": [[r(t, d, p, c) for p in range(pp) for t in range(tp)] for d in range(dp) for c in C],
+        "cp": [[r(t, d, p, c) for c in C] for p in range(pp) for d in range(dp) for t in range(tp)],
     }
     mine: dict[str, dist.ProcessGroup | None] = {}
     for fam, groups in families.items():
@@ -77,4 +87,4 @@ def initialize(parallel: ParallelConfig, rank: int, world_size: int) -> Parallel
             if rank in ranks:
                 mine[fam] = g
     return ParallelState(rank=rank, sizes=sizes, coords=coords, tp_group=mine["tp"], dp_group=mine["dp"],
-                         pp_group=mine["pp"], mp_group=mine["mp"])
+                         pp_group=mine["pp"], mp_group=mine["mp"], cp_group=mine["cp"])

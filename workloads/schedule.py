@@ -25,7 +25,7 @@ class Microbatch:
 
 
 def _forward(model: nn.Module, x: torch.Tensor, mb: Microbatch, tracer: Any, num_local: int,
-             losses: list[float], is_last: bool) -> torch.Tensor:
+             losses: list[float], is_last: bool, scale_loss: bool = True) -> torch.Tensor:
     """Run one stage forward; on the last stage return the scaled loss to backpropagate."""
     with tracer.microbatch(mb.index):
         out = model(x, mb.labels if is_last else None)
@@ -34,14 +34,17 @@ def _forward(model: nn.Module, x: torch.Tensor, mb: Microbatch, tracer: Any, num
     loss = out.mean()
     tracer.record_loss(loss.detach(), microbatch=mb.index)
     losses.append(loss.item())
-    return loss / num_local
+    # BUG grad_accum_not_scaled (scale_loss=False): accumulated grads are num_local times too large.
+    return loss / num_local if scale_loss else loss
 
 
-def no_pipelining(model: nn.Module, microbatches: Sequence[Microbatch], tracer: Any) -> list[float]:
+def no_pipelining(model: nn.Module, microbatches: Sequence[Microbatch], tracer: Any, *,
+                  scale_loss: bool = True) -> list[float]:
     """pp == 1: forward and backward each microbatch in turn, accumulating grads."""
     losses: list[float] = []
     for mb in microbatches:
-        _forward(model, mb.ids, mb, tracer, len(microbatches), losses, is_last=True).backward()
+        _forward(model, mb.ids, mb, tracer, len(microbatches), losses, is_last=True,
+                 scale_loss=scale_loss).backward()
     return losses
 
 
@@ -54,10 +57,11 @@ class _P2P:
     ps: ParallelState
     shape: tuple[int, ...]
     device: torch.device
+    dtype: torch.dtype = torch.float32   # activation dtype (BF16 under mixed precision)
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
     def _recv(self, src: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, device=self.device)
+        buf = torch.empty(self.shape, device=self.device, dtype=self.dtype)
         dist.irecv(buf, src=src).wait()
         return buf
 
@@ -84,10 +88,10 @@ class _P2P:
 
 
 def one_f_one_b(model: nn.Module, microbatches: Sequence[Microbatch], tracer: Any, ps: ParallelState,
-                act_shape: tuple[int, ...], device: torch.device) -> list[float]:
+                act_shape: tuple[int, ...], device: torch.device, *, scale_loss: bool = True) -> list[float]:
     """1F1B: warmup (pp - stage - 1 forwards), steady one-forward-one-backward, cooldown backwards."""
     first, last = ps.is_first_stage, ps.is_last_stage
-    p2p = _P2P(ps, act_shape, device)
+    p2p = _P2P(ps, act_shape, device, dtype=next(model.parameters()).dtype)
     n = len(microbatches)
     warmup = min(ps.pp_size - ps.pp_rank - 1, n)
     losses: list[float] = []
@@ -96,7 +100,7 @@ def one_f_one_b(model: nn.Module, microbatches: Sequence[Microbatch], tracer: An
     def forward(i: int) -> None:
         mb = microbatches[i]
         x = mb.ids if first else p2p.recv_forward()
-        y = _forward(model, x, mb, tracer, n, losses, is_last=last)
+        y = _forward(model, x, mb, tracer, n, losses, is_last=last, scale_loss=scale_loss)
         if not last:
             p2p.send_forward(y)
         in_flight.append((None if first else x, y))

@@ -1,0 +1,326 @@
+"""Tolerance benchmark (`make bench-tolerance`): calibration, clean-matrix false positives, and the
+smallest corruption each method detects. Writes bench/tolerance.json and prints tables.
+
+1. Runs (one Ray session, the real jobs a check runs): for every precision and seed, one reference,
+   R perturbed references and one candidate per parallel recipe. The references are shared by the
+   candidates of a (precision, seed): same recipe fingerprint, so this is what a check would run.
+2. Calibration (seeds `--calib-seeds`): per tensor, how far the honest candidate is from the
+   reference in units of the perturbation noise (norm-wise rel_err / max_r noise_r; elementwise
+   elem_err / max_r loo_r). k and the floors are chosen from these ratios (docs/tolerance.md).
+3. Clean matrix (seeds `--seeds`, held out from the calibration): verdicts under the chosen policy
+   (must be 0 false positives), also for Megatron's fixed bound and torch.testing.assert_close.
+4. Corruption study on saved traces: candidate tensors corrupted in memory, (a) a uniform scale
+   error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
+   smallest delta each method detects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator import cluster, recipe  # noqa: E402
+from tracer.compare import compare, load_logical, rel_err  # noqa: E402
+from tracer.tolerance import (  # noqa: E402
+    TolerancePolicy,
+    compute_roundoff,
+    elem_err,
+    elem_noise,
+    noise_scale,
+    unit_roundoff,
+)
+
+PARALLELS = ("single", "tp2", "tp2_sp", "dp2", "pp2", "tp2_pp2", "tp2_dp2")
+PRECISIONS = ("fp32", "bf16", "fp8")
+MEGATRON = dict(k=4.0, c=1.03, depth=32)   # Megatron-LM CI: k * C**L * eps at the most permissive layer
+# torch.testing.assert_close defaults (rtol, atol) by dtype of the traced tensor
+ASSERT_CLOSE = {"float32": (1.3e-6, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float16": (1e-3, 1e-5),
+                "float64": (1e-7, 1e-7)}
+DELTAS = [2.0**-j for j in range(0, 31)]
+# Corruption targets: (canonical name, shard dim of the tp2 layout) -- one grad, one activation
+# grad, one activation; the single corrupted element lies in TP rank 1's shard.
+TARGETS = (("0/-/layers.1.mlp.fc1.weight/param_grad", 0), ("0/1/layers.1.mlp.fc1/grad_output", 2),
+           ("0/1/layers.1.mlp.fc1/output", 2))
+
+
+def megatron_bound(precision: str) -> float:
+    return MEGATRON["k"] * MEGATRON["c"] ** MEGATRON["depth"] * compute_roundoff(precision)
+
+
+def assert_close_fails(c: torch.Tensor, r: torch.Tensor, dtype: str) -> bool:
+    rtol, atol = ASSERT_CLOSE.get(dtype, (1.3e-6, 1e-5))
+    return bool(((c - r).abs() > atol + rtol * r.abs()).any().item())
+
+
+# -- 1. runs ------------------------------------------------------------------------------------------
+def _complete(url: str, run: str, world: int) -> bool:
+    return all((Path(url) / run / f"rank{r:05d}" / "manifest.json").exists() for r in range(world))
+
+
+def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...], retries: int = 3) -> float:
+    """Run every job whose trace is not complete yet; retry failed jobs (a local cluster under load
+    occasionally loses a rendezvous port race)."""
+    t0 = time.perf_counter()
+    for _ in range(retries):
+        jobs: list[cluster.Job] = []
+        for prec in precisions:
+            for seed in seeds:
+                url = str(store / f"{prec}-s{seed}")
+                rec = recipe.compose([f"precision={prec}", f"seed={seed}", "tracking.enabled=false"])
+                single = recipe.SINGLE_DEVICE
+                runs = [("reference", dict(parallel=single), 1)]
+                runs += [(f"perturbed-{i}", dict(parallel=single, perturb_seed=i + 1), 1) for i in range(R)]
+                for par in PARALLELS:
+                    prec_rec = recipe.compose([f"precision={prec}", f"seed={seed}", f"parallel={par}"])
+                    runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"]),
+                                 int(prec_rec["parallel"]["world_size"])))
+                for run, kw, world in runs:
+                    if not _complete(url, run, world):
+                        jobs.append(cluster.Job(f"{prec}-s{seed}.{run}",
+                                                recipe.job_spec(rec, run=run, store_url=url, **kw), world))
+        if not jobs:
+            break
+        cluster.ensure_ray(recipe.compose([])["cluster"])
+        print(f"bench: running {len(jobs)} jobs", flush=True)
+        cluster.run_jobs(jobs, cpus_per_rank=1.0, timeout_s=900, error_dir=store / "errors")
+        failed = [j.error for j in jobs if j.error]
+        if failed:
+            print(f"bench: {len(failed)} jobs failed, retrying: {failed[0][:300]}", flush=True)
+    else:
+        raise SystemExit("bench: jobs still failing after retries; see " + str(store / "errors"))
+    return time.perf_counter() - t0
+
+
+def load_combo(store: Path, prec: str, seed: int, R: int) -> tuple[Any, list[Any], dict[str, Any]]:
+    url = str(store / f"{prec}-s{seed}")
+    ref = load_logical(url, "reference", 1)
+    pert = [load_logical(url, f"perturbed-{i}", 1) for i in range(R)]
+    cands = {}
+    for par in PARALLELS:
+        ws = int(recipe.compose([f"parallel={par}"])["parallel"]["world_size"])
+        if _complete(url, f"cand-{par}", ws):
+            cands[par] = load_logical(url, f"cand-{par}", ws)
+    return ref, pert, cands
+
+
+# -- 2./3. per-tensor statistics ----------------------------------------------------------------------
+def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: TolerancePolicy) -> list[dict]:
+    """Policy-free raw numbers per tensor, plus verdicts of the two baselines."""
+    comp = compare(ref, cand, pert, policy)
+    out = []
+    for res in comp.results:
+        e = ref.info[res.name]
+        r, c = ref.tensors[res.name].tensor, cand.tensors[res.name].tensor
+        out.append({
+            "name": res.name, "kind": res.kind, "dtype": e["dtype"], "rel_err": res.rel_err,
+            "noise": res.noise, "elem_err": res.elem_err, "elem_noise": res.elem_noise,
+            "replica_err": res.replica_err, "ttrace_ok": res.ok, "reason": res.reason,
+            "tolerance": res.tolerance, "elem_tolerance": res.elem_tolerance,
+            "megatron_fail": res.rel_err > megatron_bound(prec),
+            "assert_close_fail": assert_close_fails(c, r, e["dtype"]),
+        })
+    return out
+
+
+def ratio_summary(vals: list[float]) -> dict[str, float]:
+    vals = sorted(v for v in vals if math.isfinite(v))
+    if not vals:
+        return {"n": 0}
+    q = lambda p: vals[min(len(vals) - 1, int(p * len(vals)))]
+    return {"n": len(vals), "min": vals[0], "median": statistics.median(vals), "p99": q(0.99),
+            "max": vals[-1]}
+
+
+def calibrate(rows: list[dict]) -> dict[str, Any]:
+    """Honest error in units of perturbation noise, per precision and kind (tensors with noise > 0),
+    and honest error in ulps of the tensor dtype where the perturbation moved nothing (floor)."""
+    out: dict[str, Any] = {}
+    for prec in PRECISIONS:
+        pr = [x for x in rows if x["precision"] == prec and x["parallel"] != "single"]
+        if not pr:
+            continue
+        kinds = sorted({x["kind"] for x in pr})
+        out[prec] = {
+            "norm_ratio": {k: ratio_summary([x["rel_err"] / x["noise"] for x in pr
+                                             if x["kind"] == k and x["noise"] > 0]) for k in kinds},
+            "elem_ratio": {k: ratio_summary([x["elem_err"] / x["elem_noise"] for x in pr
+                                             if x["kind"] == k and x["elem_noise"] > 0]) for k in kinds},
+            "norm_ratio_all": ratio_summary([x["rel_err"] / x["noise"] for x in pr if x["noise"] > 0]),
+            "elem_ratio_all": ratio_summary([x["elem_err"] / x["elem_noise"] for x in pr
+                                             if x["elem_noise"] > 0]),
+            "zero_noise_err_ulps": ratio_summary([x["rel_err"] / unit_roundoff(x["dtype"]) for x in pr
+                                                  if x["noise"] == 0]),
+            "elem_err_where_no_elem_noise": ratio_summary([x["elem_err"] for x in pr
+                                                           if x["elem_noise"] == 0]),
+        }
+    return out
+
+
+# -- 4. corruption study ------------------------------------------------------------------------------
+def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: TolerancePolicy) -> list[dict]:
+    out = []
+    for name, shard_dim in TARGETS:
+        if name not in ref.tensors:
+            continue
+        e = ref.info[name]
+        dtype = getattr(torch, e["dtype"])
+        r, c0 = ref.tensors[name].tensor, cand.tensors[name].tensor
+        ps = [p.tensors[name].tensor for p in pert]
+        u = unit_roundoff(e["dtype"])
+        tol = policy.tolerance([rel_err(p, r) for p in ps], e["dtype"])
+        etol = policy.elem_tolerance(elem_noise(ps, r, u))
+        scale = noise_scale(ps, r, u)
+        # The element: in TP rank 1's shard, of median magnitude there.
+        half = r.shape[shard_dim] // 2
+        shard = r.narrow(shard_dim, half, r.shape[shard_dim] - half).abs()
+        flat = (shard - shard.flatten().median()).abs().flatten().argmin().item()
+        idx = list(torch.unravel_index(torch.tensor(flat), shard.shape))
+        idx = tuple(int(i) + (half if d == shard_dim else 0) for d, i in enumerate(idx))
+        for mode in ("scale", "element"):
+            found: dict[str, float | None] = {"ttrace": None, "ttrace_normwise": None, "megatron_fixed": None,
+                                              "assert_close": None}
+            missed: set[str] = set()
+            for delta in DELTAS:   # large to small: the smallest delta of an unbroken run of detections
+                c = c0.clone()
+                if mode == "scale":
+                    c = c * (1 + delta)
+                else:
+                    c[idx] = c[idx] * (1 + delta)
+                c = c.to(dtype).double()   # a corruption the traced dtype can hold
+                re = rel_err(c, r)
+                det = {"ttrace": re > tol or elem_err(c, r, scale) > etol, "ttrace_normwise": re > tol,
+                       "megatron_fixed": re > megatron_bound(prec),
+                       "assert_close": assert_close_fails(c, r, e["dtype"])}
+                for m, d in det.items():
+                    if not d:
+                        missed.add(m)
+                    elif m not in missed:
+                        found[m] = delta
+            out.append({"precision": prec, "tensor": name, "mode": mode,
+                        "element": list(idx) if mode == "element" else None, **found})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", default=str(ROOT / "ttrace_runs" / "bench-tolerance"))   # gitignored
+    ap.add_argument("--seeds", default="1,2,3", help="clean-matrix seeds")
+    ap.add_argument("--calib-seeds", default="101,102", help="calibration seeds (held out of the matrix)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
+    ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
+    args = ap.parse_args()
+    store = Path(args.store)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    calib = [int(s) for s in args.calib_seeds.split(",") if s]
+    precs = tuple(args.precisions.split(","))
+    rec = recipe.compose([])
+    R = int(rec["tolerance"]["perturbations"])
+    policy = TolerancePolicy.from_config(rec["tolerance"])
+
+    t_runs = 0.0 if args.no_run else run_matrix(store, calib + seeds, R, precs)
+
+    rows: dict[str, list[dict]] = {"calib": [], "matrix": []}
+    verdicts, studies = [], []
+    for prec in precs:
+        for seed in calib + seeds:
+            if not all(_complete(str(store / f"{prec}-s{seed}"), run, 1)
+                       for run in ["reference", *(f"perturbed-{i}" for i in range(R)), "cand-tp2"]):
+                print(f"bench: skipping {prec} seed {seed}: traces incomplete", flush=True)
+                continue
+            ref, pert, cands = load_combo(store, prec, seed, R)
+            part = "calib" if seed in calib else "matrix"
+            for par, cand in cands.items():
+                stats = tensor_stats(ref, pert, cand, prec, policy)
+                for s in stats:
+                    s.update(precision=prec, seed=seed, parallel=par)
+                rows[part].extend(stats)
+                if part == "matrix":
+                    bad = [s for s in stats if not s["ttrace_ok"]]
+                    verdicts.append({
+                        "precision": prec, "seed": seed, "parallel": par, "tensors": len(stats),
+                        "ttrace": "fail" if bad else "pass",
+                        "first_divergence": bad[0]["name"] + ": " + bad[0]["reason"] if bad else None,
+                        "megatron_fixed_fp": sum(s["megatron_fail"] for s in stats),
+                        "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
+                                                       if s["kind"] == "param_grad"),
+                        "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
+            if seed == seeds[0]:
+                studies += corruption(ref, pert, cands["tp2"], prec, policy)
+
+    ratio = {}
+    for prec in precs:
+        pr = [x for x in rows["matrix"] if x["precision"] == prec and x["parallel"] != "single"]
+        kinds = sorted({x["kind"] for x in pr})
+        ratio[prec] = {k: {
+            "norm_tol_over_err": ratio_summary([x["tolerance"] / x["rel_err"] for x in pr
+                                                if x["kind"] == k and x["rel_err"] > 0]),
+            "elem_tol_over_err": ratio_summary([x["elem_tolerance"] / x["elem_err"] for x in pr
+                                                if x["kind"] == k and x["elem_err"] > 0])} for k in kinds}
+    result = {
+        "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
+                   "floor_elem": policy.floor_elem, "R": R},
+        "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
+        "seconds_runs": t_runs,
+        "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
+        "clean_matrix": {"seeds": seeds, "checks": len(verdicts),
+                         "false_positives": sum(v["ttrace"] == "fail" for v in verdicts),
+                         "megatron_fixed_checks_flagged": sum(v["megatron_fixed_fp"] > 0 for v in verdicts),
+                         "assert_close_checks_flagged": sum(v["assert_close_fp"] > 0 for v in verdicts),
+                         "verdicts": verdicts,
+                         "held_out_ratios": calibrate(rows["matrix"])},
+        "tolerance_over_clean_error": ratio,
+        "corruption": studies,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(f"wrote {args.out}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def print_tables(res: dict) -> None:
+    cm = res["clean_matrix"]
+    print(f"\nclean matrix: {cm['checks']} checks, ttrace false positives: {cm['false_positives']}; "
+          f"checks Megatron's fixed bound flags: {cm['megatron_fixed_checks_flagged']}; "
+          f"assert_close flags: {cm['assert_close_checks_flagged']}")
+    for v in cm["verdicts"]:
+        if v["ttrace"] != "pass":
+            print(f"  FP {v['precision']} seed={v['seed']} {v['parallel']}: {v['first_divergence']}")
+    print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
+    for prec, c in res["calibration"]["ratios"].items():
+        n, e = c["norm_ratio_all"], c["elem_ratio_all"]
+        print(f"  {prec:5s} norm-wise max {n.get('max', 0):.2f} median {n.get('median', 0):.2f} | "
+              f"elementwise max {e.get('max', 0):.2f} median {e.get('median', 0):.2f} | "
+              f"zero-noise tensors' err (ulps) max {c['zero_noise_err_ulps'].get('max', 0):.2f}")
+    print("\nsmallest detected corruption delta (- = not detected at delta <= 1):")
+    print(f"  {'prec':5s} {'mode':8s} {'tensor':42s} {'ttrace':>8s} {'normwise':>8s} {'megatron':>8s} "
+          f"{'assert_close':>12s}")
+    for s in res["corruption"]:
+        print(f"  {s['precision']:5s} {s['mode']:8s} {s['tensor']:42s} {_fmt(s['ttrace']):>8s} "
+              f"{_fmt(s['ttrace_normwise']):>8s} {_fmt(s['megatron_fixed']):>8s} "
+              f"{_fmt(s['assert_close']):>12s}")
+    print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise):")
+    for prec, kinds in res["tolerance_over_clean_error"].items():
+        for k, v in kinds.items():
+            n, e = v["norm_tol_over_err"], v["elem_tol_over_err"]
+            print(f"  {prec:5s} {k:12s} norm min {n.get('min', math.nan):8.1f} "
+                  f"median {n.get('median', math.nan):8.1f}"
+                  f" | elem min {e.get('min', math.nan):8.1f} median {e.get('median', math.nan):8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Store options (S3 endpoint, timeouts, retries) applied process-wide, in the driver and every rank.
+
+The trace store is any fsspec URL. Object stores need more than a URL: an endpoint, a region,
+bounded timeouts and retries (a dead endpoint must end a check with an error, not hang it). Those
+go into `fsspec.config.conf[protocol]`, which fsspec applies to every filesystem it creates, so the
+tracer and the comparison stage open the store with them without a storage-options parameter.
+Credentials are never part of these options: they come from the standard AWS environment or config
+files of each process (driver and Ray workers), and are never logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+
+from tracer.errors import TTraceError
+
+S3_KEYS = ("endpoint_url", "region", "connect_timeout", "read_timeout", "max_attempts")
+
+
+def options(store: dict[str, Any]) -> dict[str, Any]:
+    """Plain, credential-free options for the store's protocol (what job specs carry to the ranks)."""
+    url = str(store.get("url", ""))
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol not in ("s3", "s3a"):
+        return {"protocol": protocol}
+    return {"protocol": "s3", **{k: store.get(k) for k in S3_KEYS if store.get(k) is not None}}
+
+
+def configure(opts: dict[str, Any] | None) -> None:
+    """Apply `options(...)` in this process (idempotent)."""
+    if not opts or opts.get("protocol") != "s3":
+        return
+    import s3fs
+
+    attempts = int(opts.get("max_attempts", 2))
+    s3fs.S3FileSystem.retries = max(1, attempts)   # s3fs's own retry loop (backoff), on top of botocore's
+    kw: dict[str, Any] = {
+        "config_kwargs": {"connect_timeout": float(opts.get("connect_timeout", 5)),
+                          "read_timeout": float(opts.get("read_timeout", 30)),
+                          "retries": {"max_attempts": attempts, "mode": "standard"}},
+    }
+    if opts.get("endpoint_url"):
+        kw["endpoint_url"] = opts["endpoint_url"]
+    if opts.get("region"):
+        kw["client_kwargs"] = {"region_name": opts["region"]}
+    for proto in ("s3", "s3a"):
+        fsspec.config.conf[proto] = kw
+
+
+def preflight(url: str, opts: dict[str, Any]) -> None:
+    """Fail fast with a clear message when the store cannot be reached or written (before any job)."""
+    configure(opts)
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path.rstrip('/')}/.ttrace-probe"
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except Exception as e:
+        where = f" at endpoint {opts['endpoint_url']}" if opts.get("endpoint_url") else ""
+        reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise TTraceError(f"trace store {url}{where} is unreachable or not writable ({type(e).__name__}: "
+                          f"{reason}); check store.url / store.endpoint_url, the bucket, and the AWS "
+                          "credentials in this environment") from None

@@ -1,0 +1,23 @@
+"""Precision recipes through real Ray checks: BF16 and FP8 candidates pass clean against their
+one-rank reference; FP8 amax not reduced over TP (BUGS.md #14) is caught."""
+
+from test_checks import check
+
+
+def test_fp8_tp2_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir):
+    clean = check(workdir, "parallel=tp2", "precision=fp8", "tracking.enabled=false")
+    assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    dtypes = {t["name"]: t for t in clean.report["tensors"]}
+    assert dtypes["0/0/layers.0.attn.qkv/output"]["rel_err"] == 0.0   # same scales: bit-exact shards
+    buggy = check(workdir, "parallel=tp2", "precision=fp8", "bug=fp8_amax_unreduced",
+                  "tracking.enabled=false")
+    assert buggy.verdict == "fail" and buggy.exit_code == 1
+    fd = buggy.report["first_divergence"]
+    assert fd["name"] == "0/0/layers.0.attn.qkv/output", fd   # the first FP8 GEMM, first microbatch
+
+
+def test_bf16_sequence_parallel_clean_passes(ray_cluster, workdir):
+    clean = check(workdir, "parallel=tp2_sp", "precision=bf16", "tracking.enabled=false")
+    assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    # The elementwise metric and its tolerance are reported for every tensor.
+    assert all(t["elem_tolerance"] >= 1.0 for t in clean.report["tensors"])

@@ -1,0 +1,110 @@
+"""Precision recipes (workloads/precision.py) in one process: BF16 GEMM emulation, FP8 scaling,
+master weights. The multi-rank behaviour (amax reduced over TP) is checked through Ray in
+test_checks_precision.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from workloads import precision
+from workloads.precision import E4M3, E5M2, FP8Scaling, Precision, bf16_linear, dequantize, quantize
+
+G = lambda s: torch.Generator().manual_seed(s)
+
+
+def test_bf16_gemm_is_fp32_accumulation_of_bf16_inputs_rounded_once():
+    x = torch.randn(4, 8, 64, generator=G(0)).bfloat16().requires_grad_()
+    w = torch.randn(32, 64, generator=G(1)).bfloat16().requires_grad_()
+    b = torch.randn(32, generator=G(2)).bfloat16().requires_grad_()
+    y = bf16_linear(x, w, b)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (x.float() @ w.float().t() + b.float()).bfloat16())
+    g = torch.randn(y.shape, generator=G(3)).bfloat16()
+    y.backward(g)
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad, (g.float() @ w.float()).bfloat16())
+    assert torch.equal(w.grad, (g.float().reshape(-1, 32).t() @ x.float().reshape(-1, 64)).bfloat16())
+
+
+def test_fp8_quantization_uses_the_amax_scale_and_saturates():
+    t = torch.randn(1000, generator=G(4)) * 0.02
+    amax = t.abs().max()
+    q, scale = quantize(t, E4M3, amax)
+    assert q.dtype == E4M3 and scale.item() == pytest.approx(448.0 / amax.item())
+    assert q.float().abs().max().item() == 448.0                  # the amax maps to fp8 max
+    big = (dequantize(q, scale) - t).abs() / t.abs()
+    assert big[t.abs() > amax / 16].max() <= 2.0**-4 + 1e-6       # E4M3: 3 mantissa bits
+    q2, s2 = quantize(t, E5M2, amax / 4)                          # a too-small amax saturates
+    assert q2.dtype == E5M2 and torch.isfinite(q2.float()).all()
+    assert q2.float().abs().max().item() == torch.finfo(E5M2).max
+
+
+def test_shards_quantized_with_the_logical_amax_reproduce_the_reference_and_own_amax_does_not():
+    """Column-parallel FP8 GEMM: a weight shard quantized with the logical tensor's amax (what the
+    TP all-reduce MAX gives) yields exactly the reference's output columns; with its own amax
+    (bug fp8_amax_unreduced) it does not."""
+    x = torch.randn(16, 64, generator=G(5)).bfloat16()
+    w = torch.randn(32, 64, generator=G(6)).bfloat16() * 0.02
+    w[0, 0] = 0.2                                       # the logical amax lives in shard 0
+    xq, sx = quantize(x, E4M3, x.float().abs().max())
+    ref = dequantize(xq, sx) @ dequantize(*quantize(w, E4M3, w.float().abs().max())).t()
+    shard = w[16:]
+    good = dequantize(xq, sx) @ dequantize(*quantize(shard, E4M3, w.float().abs().max())).t()
+    bad = dequantize(xq, sx) @ dequantize(*quantize(shard, E4M3, shard.float().abs().max())).t()
+    assert torch.equal(good, ref[:, 16:])
+    assert not torch.equal(bad, ref[:, 16:])
+
+
+def test_fp8_linear_forward_backward_dtypes_and_delayed_scaling_history():
+    for scaling in ("current", "delayed"):
+        s = FP8Scaling(Precision("fp8", scaling=scaling, amax_history=2), None, None)
+        lin = precision.fp8_linear(s)
+        x = torch.randn(2, 8, 64, generator=G(7)).bfloat16().requires_grad_()
+        w = (torch.randn(32, 64, generator=G(8)) * 0.02).bfloat16().requires_grad_()
+        for _ in range(3):                              # three steps
+            y = lin(x, w)
+            assert y.dtype == torch.bfloat16
+            rel = ((y.float() - (x.float() @ w.float().t())).norm() / y.float().norm()).item()
+            assert rel < 0.1                            # FP8 error, not garbage
+            y.float().sum().backward()
+            assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+            s.end_step()
+        if scaling == "delayed":
+            assert [len(h) for h in s.history.values()] == [2, 2, 2]   # capped at amax_history
+        else:
+            assert all(len(h) == 0 for h in s.history.values())
+
+
+def test_master_weights_take_fp32_main_grads_and_round_back_to_bf16():
+    model = nn.Linear(8, 4).bfloat16()
+    recipe = Precision("bf16")
+    precision.apply(model, recipe, None, None)
+    opt = precision.optimizer(model, recipe, lambda ps: torch.optim.SGD(ps, lr=1e-3))
+    x = torch.randn(3, 8, generator=G(9)).bfloat16()
+    for _ in range(2):                                  # two microbatches accumulate in FP32
+        model(x).float().sum().backward()
+    assert model.weight.grad is None and model.weight.main_grad.dtype == torch.float32
+    expected = 2 * (torch.ones(3, 4).t() @ x.float()).bfloat16().float()   # wgrads rounded, summed in FP32
+    assert torch.equal(model.weight.main_grad, expected)
+    master0 = opt.master[0].clone()
+    opt.step()
+    assert opt.master[0].dtype == torch.float32
+    assert torch.allclose(opt.master[0], master0 - 1e-3 * model.weight.main_grad, rtol=1e-6, atol=1e-9)
+    assert torch.equal(model.weight.data, opt.master[0].bfloat16())
+    opt.zero_grad()
+    assert model.weight.main_grad.abs().sum() == 0
+
+
+def test_fp8_perturbed_reference_moves_gemm_results_not_weights():
+    assert Precision("fp32").perturbs_weights and Precision("bf16").perturbs_weights
+    assert not Precision("fp8").perturbs_weights
+    noise = precision.UlpNoise(1)
+    lin = precision.perturbed_linear(bf16_linear, noise)
+    x = torch.randn(4, 64, generator=G(10)).bfloat16().requires_grad_()
+    w = torch.randn(32, 64, generator=G(11)).bfloat16()
+    y, y0 = lin(x, w), bf16_linear(x, w)
+    nxt = lambda t, d: torch.nextafter(t, torch.tensor(d, dtype=t.dtype))
+    assert ((y == nxt(y0, float("inf"))) | (y == nxt(y0, -float("inf")))).all()   # one ulp each
+    y.float().sum().backward()
+    g0 = (torch.ones(4, 32) @ w.float()).bfloat16()
+    assert ((x.grad == nxt(g0, float("inf"))) | (x.grad == nxt(g0, -float("inf")))).all()

@@ -1,0 +1,120 @@
+"""The tolerance estimator and the metrics (tracer/tolerance.py), on maps whose error is computable."""
+
+import math
+
+import pytest
+import torch
+
+from tracer import perturb_ulp
+from tracer.compare import rel_err
+from tracer.tolerance import (
+    TolerancePolicy,
+    compute_roundoff,
+    elem_err,
+    elem_noise,
+    noise_scale,
+    unit_roundoff,
+)
+
+G = lambda s: torch.Generator().manual_seed(s)
+W = torch.randn(64, 256, generator=G(0))
+X = torch.randn(32, 256, generator=G(1))
+
+
+def test_perturbation_noise_of_a_linear_map_is_its_first_order_error():
+    """y = X W^T: moving every weight one ulp (random sign) moves y by exactly X dW^T, whose expected
+    squared norm is sum_b,i,j ulp_ij^2 x_bj^2 (independent signs). Computed in float64, so the only
+    error is the perturbation's."""
+    r = X.double() @ W.double().t()
+    for seed in (1, 2, 3):
+        dw = perturb_ulp(W, seed, "w").double() - W.double()
+        assert (dw != 0).all()                                   # every element moved
+        assert ((dw.abs() / W.double().abs()) <= 2.0**-23).all()  # by one fp32 ulp
+        p = X.double() @ (W.double() + dw).t()
+        expected = math.sqrt((X.double().square() @ dw.square().t()).sum().item()) / r.norm().item()
+        assert rel_err(p, r) == pytest.approx(expected, rel=0.1)
+
+
+def test_honest_reordering_passes_and_a_small_scale_error_fails():
+    """fp32 row-parallel split (partial GEMMs over 4 shards, summed) vs one GEMM: within k x noise."""
+    ref = X @ W.t()
+    pert = [X @ perturb_ulp(W, s, "w").t() for s in (1, 2, 3)]
+    cand = sum(x @ w.t() for x, w in zip(X.chunk(4, 1), W.chunk(4, 1), strict=True))
+    policy = TolerancePolicy()
+    noise = [rel_err(p.double(), ref.double()) for p in pert]
+    tol = policy.tolerance(noise, "float32")
+    assert tol == pytest.approx(max(4.0 * max(noise), 16 * 2.0**-24))
+    assert 0 < rel_err(cand.double(), ref.double()) <= tol
+    assert rel_err((cand * (1 + 1e-5)).double(), ref.double()) > tol
+    u = unit_roundoff("float32")
+    ps = [p.double() for p in pert]
+    etol = policy.elem_tolerance(elem_noise(ps, ref.double(), u))
+    assert elem_err(cand.double(), ref.double(), noise_scale(ps, ref.double(), u)) <= etol
+
+
+def _noisy(r: torch.Tensor, sigma: float, seed: int) -> torch.Tensor:
+    return r * (1 + sigma * torch.randn(r.shape, generator=G(seed), dtype=torch.float64))
+
+
+def test_elementwise_metric_flags_one_corrupted_element_the_normwise_error_misses():
+    r = torch.randn(128, 128, generator=G(5), dtype=torch.float64)
+    sigma, u = 1e-4, unit_roundoff("float32")
+    pert = [_noisy(r, sigma, s) for s in (10, 11, 12)]
+    policy = TolerancePolicy()
+    tol = policy.tolerance([rel_err(p, r) for p in pert], "float32")
+    etol = policy.elem_tolerance(elem_noise(pert, r, u))
+    scale = noise_scale(pert, r, u)
+    clean = _noisy(r, sigma, 13)
+    assert rel_err(clean, r) <= tol and elem_err(clean, r, scale) <= etol
+    # One element of the second "shard" (columns 64..127), of median magnitude there, off by 1%.
+    shard = r[:, 64:].abs()
+    i, j = divmod(int((shard - shard.median()).abs().argmin()), 64)
+    bad = clean.clone()
+    bad[i, 64 + j] *= 1.01
+    assert rel_err(bad, r) <= tol                  # the norm-wise error cannot see it
+    assert elem_err(bad, r, scale) > etol          # the elementwise metric does
+
+
+def test_heavy_tails_near_zero_elements_and_sign_flips_stay_within_tolerance():
+    """Elements whose true value is ~0, and a few elements that flip by O(1) in every noisy run (Adam's
+    sign-like first step): the honest candidate, with its own flips elsewhere, passes."""
+    r = torch.randn(4096, generator=G(7), dtype=torch.float64) * 1e-3
+    r[:100] = 0.0                     # exact zeros: only the rms(r) term keeps their scale finite
+    u = unit_roundoff("float32")
+
+    def run(seed: int) -> torch.Tensor:
+        p = _noisy(r, 1e-5, seed)
+        p += 1e-9 * torch.randn(r.shape, generator=G(seed + 100), dtype=torch.float64)
+        flips = torch.randint(0, 4096, (3,), generator=G(seed + 200))
+        p[flips] = -p[flips]          # sign flips on random elements (different ones each run)
+        return p
+
+    pert = [run(s) for s in (1, 2, 3)]
+    policy = TolerancePolicy()
+    etol = policy.elem_tolerance(elem_noise(pert, r, u))
+    cand = run(4)
+    assert math.isfinite(etol)
+    assert elem_err(cand, r, noise_scale(pert, r, u)) <= etol
+    assert rel_err(cand, r) <= policy.tolerance([rel_err(p, r) for p in pert], "float32")
+
+
+def test_elem_noise_is_leave_one_out():
+    r = torch.randn(100, generator=G(3), dtype=torch.float64)
+    ps = [_noisy(r, 1e-3, s) for s in (1, 2, 3)]
+    u = 2.0**-24
+    loo = elem_noise(ps, r, u)
+    assert loo[0] == pytest.approx(elem_err(ps[0], r, noise_scale(ps[1:], r, u)))
+    # scored against its own envelope a run could never exceed 1: leave-one-out is what makes it a test
+    assert elem_err(ps[0], r, noise_scale(ps, r, u)) <= 1.0 < max(loo)
+    assert elem_noise(ps[:1], r, u)[0] == pytest.approx(elem_err(ps[0], r, noise_scale([], r, u)))
+
+
+def test_policy_floors_config_and_analytic_bound():
+    p = TolerancePolicy.from_config({"k": 3, "floor_ulps": 8, "k_elem": 5, "floor_elem": 2,
+                                     "perturbations": 3})
+    assert (p.k, p.floor_ulps, p.k_elem, p.floor_elem) == (3.0, 8.0, 5.0, 2.0)
+    assert p.tolerance([0.0], "bfloat16") == 8 * 2.0**-8
+    assert p.elem_tolerance([0.1]) == 2.0 and p.elem_tolerance([1.0]) == 5.0
+    # Megatron-CI style bound: the compute precision's eps, never finer than the tensor's dtype.
+    assert p.analytic_bound(0, "float32", "bf16") == 3 * compute_roundoff("bf16")
+    assert p.analytic_bound(2, "float32", "fp32") == pytest.approx(3 * 1.03**2 * 2.0**-24)
