@@ -56,7 +56,8 @@ def build_groups(ps: ParallelState, tied: bool) -> SharedGroups:
     return out
 
 
-def _all_reduce(grads: list[torch.Tensor], group: Group) -> None:
+def all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
+    """Sum a list of grads over `group` in one flat buffer (same sums as per-tensor, fewer calls)."""
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -74,13 +75,13 @@ def _marked(model: nn.Module, attr: str) -> list[torch.Tensor]:
 def reduce_kv_replicas(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any]) -> None:
     if bugs.active(spec, "kv_head_grad_unreduced"):
         return   # BUG kv_head_grad_unreduced: each KV copy keeps the grad of its own query heads only.
-    _all_reduce(_marked(model, "kv_replicated"), groups.kv_replicas)
+    all_reduce_coalesced(_marked(model, "kv_replicated"), groups.kv_replicas)
 
 
 def reduce_tied_embedding(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any]) -> None:
     if bugs.active(spec, "tied_embedding_grad_lost_pp"):
         return   # BUG tied_embedding_grad_lost_pp: each stage steps its copy with half of the grad.
-    _all_reduce(_marked(model, "shared_embedding"), groups.embedding)
+    all_reduce_coalesced(_marked(model, "shared_embedding"), groups.embedding)
 
 
 def reduce_experts(model: nn.Module, groups: SharedGroups, ps: ParallelState,
@@ -92,7 +93,7 @@ def reduce_experts(model: nn.Module, groups: SharedGroups, ps: ParallelState,
         return
     # BUG expert_tp_grad_wrong_group: expert grads synchronized over the TP group instead of EDP.
     group = ps.tp_group if bugs.active(spec, "expert_tp_grad_wrong_group") else groups.experts.edp
-    _all_reduce(grads, group)
+    all_reduce_coalesced(grads, group)
     # BUG expert_grad_scaling_wrong: divided by the EDP size instead of the DP size.
     div = ps.sizes["edp"] if bugs.active(spec, "expert_grad_scaling_wrong") else ps.dp_size
     for g in grads:
@@ -121,7 +122,7 @@ def expert_norm_sq(params: list[nn.Parameter], ps: ParallelState, groups: Shared
 def reduce_context_parallel(model: nn.Module, ps: ParallelState) -> None:
     """Under CP every rank saw only its sequence chunks: sum the param grads over the CP group (the
     loss is already the mean over the whole sequence, so no division)."""
-    _all_reduce([g for p in model.parameters() if (g := precision.grad(p)) is not None], ps.cp_group)
+    all_reduce_coalesced([g for p in model.parameters() if (g := precision.grad(p)) is not None], ps.cp_group)
 
 
 def reduce_shared(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any], *,

@@ -57,18 +57,6 @@ def init_weights(model: nn.Module, plan: Mapping[str, Any], ps: ParallelState, c
 
 
 # -- grad finalization, clipping -----------------------------------------------------------------
-def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Sum a list of grads over `group` in one flat buffer (same sums as per-tensor, fewer calls)."""
-    if not grads or group is None or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any]) -> None:
     """The grads the optimizer sees: DP average, then TP all-reduce of sequence-parallel grads
     (megatron-core finalize_model_grads order)."""
@@ -76,7 +64,7 @@ def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any])
     grads = [g for p in model.parameters()
              if (g := precision.grad(p)) is not None and not getattr(p, "expert", False)]
     if ps.dp_size > 1:
-        _all_reduce_coalesced(grads, ps.dp_group)
+        grad_sync.all_reduce_coalesced(grads, ps.dp_group)
         if not bugs.active(spec, "dp_grad_not_averaged"):
             for g in grads:
                 g.div_(ps.dp_size)
@@ -90,7 +78,7 @@ def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any])
             if isinstance(module, nn.LayerNorm) and bugs.active(spec, "sp_layernorm_grad_unreduced"):
                 continue   # BUG sp_layernorm_grad_unreduced: each TP rank keeps its partial LN grad.
             sp_grads.append(precision.grad(p))
-    _all_reduce_coalesced(sp_grads, ps.tp_group)
+    grad_sync.all_reduce_coalesced(sp_grads, ps.tp_group)
     # Copies of one logical tensor on several model-parallel ranks: GQA KV heads, tied embeddings.
     distopt_tie_bug = bool((spec.get("parallel") or {}).get("zero1")) and bugs.active(
         spec, "tied_embedding_grad_distopt")   # the buggy distributed optimizer syncs it too late
