@@ -1,0 +1,64 @@
+"""framework=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
+(DistributedConfig(tp_size=2), real library code on CPU/gloo) against the same model in one process.
+Param layouts come from its DTensor placements, output layouts from its TP styles
+(tracer/frameworks/hf.py). Clean tp2 passes; a K/V plan that leaves input grads unreduced exits 1."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_tp_style_layouts():
+    """The layouts read from transformers' TP styles for the outputs it hands out as local tensors."""
+    from torch import nn
+
+    from tracer.frameworks.hf import tp_local_layouts
+    from tracer.layouts import Layout
+
+    class Fake(nn.Module):
+        _tp_plan = {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise",
+                    "model.layers.*.self_attn.q_proj": "colwise",
+                    "model.layers.*.self_attn.o_proj": "rowwise",
+                    "model.layers.*.self_attn.k_proj": "replicated_with_grad_allreduce"}
+        _device_mesh = object()
+
+    f = tp_local_layouts(Fake())
+    assert f("model.layers.0.self_attn.q_proj", nn.Linear(2, 2)) == (Layout(shard=((-1, "tp"),)),) * 2
+    assert f("model.layers.3.self_attn.o_proj", nn.Linear(2, 2)) == (Layout(), Layout())
+    assert f("model.embed_tokens", nn.Embedding(2, 2)) == (Layout(), Layout())
+    assert f("lm_head", nn.Linear(2, 2)) == (Layout(), Layout())
+    assert f("model.layers.0.self_attn.k_proj", nn.Linear(2, 2)) == (Layout(), Layout(partial=("tp",)))
+    assert f("model.layers.0.input_layernorm", nn.RMSNorm(2)) is None   # no style: replicated (checked)
+
+
+BUGGY = {"hf_gqa_kv_replicated_plan": (["model=llama_tiny", "parallel=tp2"],
+                                       "model.layers.3.input_layernorm", "grad_output")}
+
+
+@pytest.fixture(scope="module")
+def results(ray_cluster, tmp_path_factory):
+    from orchestrator.check import run_checks
+    from orchestrator.recipe import compose
+
+    work = tmp_path_factory.mktemp("hf_checks")
+    common = ["framework=hf", "tracking.enabled=false", "localize=false", f"cluster.address={ray_cluster}"]
+    items = [(compose(["parallel=tp2", *common]), work / "clean-tp2")]
+    items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]
+    out = run_checks(items, base_dir=str(work))
+    return dict(zip(["clean-tp2", *BUGGY], out, strict=True))
+
+
+def test_clean_hf_tp_passes(results):
+    res = results["clean-tp2"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    assert res.report["recipe"]["model"]["name"] == "llama_tiny_kv2"
+    assert len(res.report["tensors"]) > 500
+
+
+@pytest.mark.parametrize("bug", list(BUGGY))
+def test_hf_plan_bug_is_named(results, bug):
+    res = results[bug]
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    fd = res.report["first_divergence"]
+    _, module, kind = BUGGY[bug]
+    assert (fd["module"], fd["kind"]) == (module, kind), fd

@@ -1,0 +1,96 @@
+"""framework=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module) traced
+with layouts read from DTensor placements (tracer/frameworks/dtensor.py, no plan). Unit tests of the
+placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp passes, the injected wrong
+placement plan exits 1 at the K/V projection it breaks."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tracer.frameworks.dtensor import placements_to_layout
+from tracer.layouts import Layout, Piece, assemble
+
+
+def test_placements_map_to_layouts():
+    names = ("dp", "tp")
+    assert placements_to_layout((Replicate(), Replicate()), names) == Layout()
+    assert placements_to_layout((Replicate(), Shard(0)), names) == Layout(shard=((0, "tp"),))
+    assert placements_to_layout((Shard(0), Shard(1)), names) == Layout(shard=((0, "dp"), (1, "tp")))
+    assert placements_to_layout((Replicate(), Partial()), names) == Layout(partial=("tp",))
+    assert placements_to_layout((Replicate(), Shard(-1)), names, ndim=3) == Layout(shard=((2, "tp"),))
+    # FSDP2 over TP: the dp shard of an already tp-sharded dim is nested inside the tp shard.
+    assert placements_to_layout((_StridedShard(0, split_factor=2), Shard(0)), names) == \
+        Layout(shard=((0, "tp"), (0, "dp")))
+
+
+def test_layout_slices_and_reassembles_like_dtensor_sharding():
+    """Layout.local follows DTensor's Shard(d) (torch.chunk along d), strided shards included."""
+    full = torch.arange(8 * 6, dtype=torch.float32).view(8, 6)
+    sizes = {"dp": 2, "tp": 2}
+    for placements in ((Shard(0), Shard(1)), (_StridedShard(0, split_factor=2), Shard(0))):
+        layout = placements_to_layout(placements, ("dp", "tp"))
+        pieces = []
+        for dp in range(2):
+            for tp in range(2):
+                coords = {"dp": dp, "tp": tp}
+                local = layout.local(full, coords, sizes)
+                if isinstance(placements[0], _StridedShard):   # tp chunk first, then dp chunk inside it
+                    assert torch.equal(local, full.chunk(2, 0)[tp].chunk(2, 0)[dp])
+                else:
+                    assert torch.equal(local, full.chunk(2, 0)[dp].chunk(2, 1)[tp])
+                pieces.append(Piece(coords, local, rank=dp * 2 + tp))
+        assert torch.equal(assemble("t", layout, pieces, sizes).tensor, full)
+
+
+def test_validate_names_what_is_unsupported():
+    from orchestrator.recipe import compose, job_spec
+    from tracer.errors import ConfigError
+    from workloads.frameworks import torch_native
+
+    rec = compose(["framework=torch_native", "parallel=tp2_sp"])
+    assert rec["model"]["name"] == "llama_tiny"   # the framework recipe's default model
+    torch_native.validate(job_spec(rec, run="x", store_url=""))
+    def spec(*over):
+        return job_spec(compose(["framework=torch_native", *over]), run="x", store_url="")
+
+    with pytest.raises(ConfigError, match="model=llama_tiny"):
+        torch_native.validate(spec("model=gpt_tiny"))
+    with pytest.raises(ConfigError, match="TP, SP and FSDP2"):
+        torch_native.validate(spec("parallel=pp2"))
+
+
+CLEAN = ["tp2_sp"]
+BUGGY = {"tn_gqa_kv_gathered_output": ("tp2", "layers.3.attention.w[kv]", "grad_output")}
+
+
+@pytest.fixture(scope="module")
+def results(ray_cluster, tmp_path_factory):
+    from orchestrator.check import run_checks
+    from orchestrator.recipe import compose
+
+    work = tmp_path_factory.mktemp("torch_native_checks")
+    common = ["framework=torch_native", "tracking.enabled=false", "localize=false",
+              f"cluster.address={ray_cluster}"]
+    items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
+    items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
+    out = run_checks(items, base_dir=str(work))
+    return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY), out, strict=True))
+
+
+@pytest.mark.parametrize("parallel", CLEAN)
+def test_clean_torch_native_passes(results, parallel):
+    res = results[f"clean-{parallel}"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    assert len(res.report["tensors"]) > 500
+
+
+@pytest.mark.parametrize("bug", list(BUGGY))
+def test_wrong_placement_plan_is_named(results, bug):
+    import fnmatch
+
+    res = results[bug]
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    fd = res.report["first_divergence"]
+    _, module, kind = BUGGY[bug]
+    assert fnmatch.fnmatch(fd["module"], module) and fd["kind"] == kind, fd
