@@ -45,6 +45,7 @@ class Tracer:
         self._rename: Rename = lambda n: n
         self._params: dict[str, tuple[Layout, str]] = {}  # local param name -> (layout, module type)
         self._handles: list[Any] = []
+        self._feed: Any = None   # tracer.isolation.ReferenceFeed: isolation pass (see `isolate`)
 
     @classmethod
     def disabled(cls) -> Tracer:
@@ -68,6 +69,12 @@ class Tracer:
                 self._handles.append(module.register_forward_hook(
                     self._forward_hook(self._rename(name), type(module).__name__, entry.output,
                                        entry.grad_layout)))
+
+    def isolate(self, feed: Any) -> None:
+        """Isolation pass: after recording each traced module's output (and, in backward, its
+        grad_output), hand the REFERENCE's tensor on downstream instead (`tracer.isolation`), so every
+        recorded tensor carries only the error of the code between it and the previous traced one."""
+        self._feed = feed
 
     def set_grad_scale(self, scale: float) -> None:
         """Factor turning this rank's activation grads into d(global loss)/d(activation).
@@ -156,21 +163,30 @@ class Tracer:
     def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
         grad_layout = layout if grad_layout is None else grad_layout
 
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, (tuple, list)) else output
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            is_seq = isinstance(output, (tuple, list))
+            out = output[0] if is_seq else output
             if not isinstance(out, torch.Tensor) or self._step is None:
-                return
-            mb = self._microbatch
+                return None
+            mb, step, feed = self._microbatch, self._step, self._feed
             self.record(path, "output", out, layout, microbatch=mb, module_type=module_type)
+            if feed is not None:   # isolation pass: downstream sees the reference's output
+                out = feed.substitute(out, canonical_name(step, mb, path, "output"), layout)
             if out.requires_grad:
-                step = self._step
 
-                def grad_hook(grad: torch.Tensor) -> None:
+                def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
                     prev, self._step = self._step, step
                     try:
                         self.record(path, "grad_output", grad, grad_layout, microbatch=mb,
                                     module_type=module_type, scale=self._grad_scale)
                     finally:
                         self._step = prev
+                    if feed is None:
+                        return None
+                    return feed.local(canonical_name(step, mb, path, "grad_output"), grad_layout, grad,
+                                      scale=1.0 / self._grad_scale)
                 out.register_hook(grad_hook)
+            if feed is None:
+                return None
+            return (out, *output[1:]) if is_seq else out
         return hook

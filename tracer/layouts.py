@@ -62,6 +62,16 @@ class Layout:
         return out
 
 
+    def summand(self, full: torch.Tensor, coords: Mapping[str, int],
+                sizes: Mapping[str, int]) -> torch.Tensor:
+        """A local tensor that reassembles to `full`: this rank's shard, and for partial-sum axes the
+        whole shard on coordinate 0 and zeros elsewhere (any split that sums to `full` is valid)."""
+        out = Layout(self.shard, (), self.zigzag).local(full, coords, sizes)
+        if any(coords.get(a, 0) != 0 for a in self.partial):
+            return torch.zeros_like(out)
+        return out
+
+
 def Replicate() -> Layout:  # noqa: N802 - reads like torch's placements
     return Layout()
 

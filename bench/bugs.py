@@ -1,0 +1,198 @@
+"""Bug-catalog benchmark (`make bench-bugs`): detection, localization and the loss-curve baseline.
+
+Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
+  detected        the check on the bug's trigger recipe fails (exit 1), and the clean counterpart
+                  (same recipe, bug=none) passes
+  first divergence / culprit   where the plain comparison / the isolation pass point
+  correct module? the culprit (else the first divergence) matches the catalog's `expect` pattern
+  blame window    modules the isolation pass could not rule out
+  loss shows at   the first training step from which the buggy loss stays away from the clean loss
+                  by more than the seed-to-seed spread of clean runs for 10 steps (or "not within N")
+
+All checks run in one `run_checks` call on one Ray cluster (each distinct reference computed once);
+the loss curves run untraced, as plain training jobs, on the same cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from orchestrator import cluster, recipe  # noqa: E402
+from orchestrator.check import run_checks  # noqa: E402
+from orchestrator.nightly import located  # noqa: E402
+from tracer.errors import TTraceError  # noqa: E402
+from workloads.bugs import CATALOG  # noqa: E402
+
+COMMON = ["tracking.enabled=false"]
+SUSTAIN = 10   # loss-curve baseline: steps the loss gap must stay above the seed spread
+
+
+def _checks(bugs: list[str], work: Path, extra: list[str]) -> dict[str, Any]:
+    """Run every bug's check and each distinct trigger's clean counterpart; reports by label."""
+    items, labels = [], []
+    for name in bugs:
+        trig = list(CATALOG[name].trigger)
+        items.append((recipe.compose([*trig, f"bug={name}", *COMMON, *extra]), work / name))
+        labels.append(name)
+        clean = "clean:" + " ".join(trig)
+        if clean not in labels:
+            rec = recipe.compose([*trig, "bug=none", *COMMON, *extra])
+            items.append((rec, work / f"clean-{len(labels)}"))
+            labels.append(clean)
+    results = run_checks(items, base_dir=str(work), progress=True)
+    return {label: r for label, r in zip(labels, results, strict=True)}
+
+
+def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> dict[str, Any]:
+    """Untraced training, `steps` steps: each bug at the recipe seed, each trigger clean at `seeds`
+    seeds. Returns {bug: {"curve", "clean", "spread", "first_step"}}."""
+    jobs: dict[str, cluster.Job] = {}
+
+    def job(key: str, rec: dict[str, Any]) -> None:
+        spec = recipe.job_spec(rec, run=key, store_url="")
+        spec["trace"]["enabled"], spec["steps"] = False, steps
+        jobs[key] = cluster.Job(key, spec, int(rec["parallel"]["world_size"]), label="loss curve",
+                                timeout_s=float(rec["timeout_s"]) + steps)
+
+    base_seed = recipe.compose([*COMMON, *extra])["seed"]
+    for name in bugs:
+        trig = list(CATALOG[name].trigger)
+        job(name, recipe.compose([*trig, f"bug={name}", *COMMON, *extra]))
+        for s in range(seeds):
+            key = f"clean:{' '.join(trig)}:{s}"
+            if key not in jobs:
+                job(key, recipe.compose([*trig, "bug=none", f"seed={base_seed + s}", *COMMON, *extra]))
+    rec0 = recipe.compose([*COMMON, *extra])
+    cluster.ensure_ray(rec0["cluster"])
+    cluster.run_jobs(list(jobs.values()), cpus_per_rank=float(rec0["cluster"]["cpus_per_rank"]),
+                     timeout_s=float(rec0["timeout_s"]) + steps, error_dir=ROOT / "bench" / "errors")
+
+    def curve(key: str) -> list[float] | None:
+        j = jobs[key]
+        return None if j.error else next((r["losses"] for r in j.results if r["losses"]), None)
+
+    out: dict[str, Any] = {}
+    for name in bugs:
+        trig = " ".join(CATALOG[name].trigger)
+        buggy = curve(name)
+        clean = [curve(f"clean:{trig}:{s}") for s in range(seeds)]
+        if buggy is None or any(c is None for c in clean):
+            out[name] = {"error": jobs[name].error or "a clean loss-curve job failed"}
+            continue
+        spread = [max(c[t] for c in clean) - min(c[t] for c in clean) for t in range(steps)]
+        gap = [abs(buggy[t] - clean[0][t]) for t in range(steps)]
+        above = [g > s for g, s in zip(gap, spread, strict=True)]
+        # "Shows" = the gap exceeds the spread and stays above it for SUSTAIN steps (or to the end):
+        # a single crossing is as likely seed noise as the bug.
+        first = next((t for t in range(steps) if all(above[t:t + SUSTAIN])), None)
+        out[name] = {"first_step": first, "first_crossing": next((t for t in range(steps) if above[t]), None),
+                     "buggy": buggy, "clean": clean[0], "spread": spread,
+                     "final_gap": gap[-1], "final_spread": spread[-1]}
+    return out
+
+
+def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int) -> dict[str, Any]:
+    bug = CATALOG[name]
+    rep = res.report
+    row: dict[str, Any] = {"bug": name, "trigger": " ".join(bug.trigger), "expect": bug.expect,
+                           "verdict": res.verdict, "clean_verdict": clean.verdict,
+                           "detected": res.verdict == "fail" and clean.verdict == "pass"}
+    if res.verdict == "error":
+        row["error"] = res.message
+    fd = rep.get("first_divergence")
+    if fd:
+        at = located(rep)
+        c = rep.get("culprit") or {}
+        row.update(first_divergence=f"{fd['module']}/{fd['kind']}", first_divergence_name=fd["name"],
+                   culprit=f"{c['module']}/{c['kind']}" if c.get("resolved") else None,
+                   culprit_name=c.get("name") if c.get("resolved") else None,
+                   origin=rep.get("origin"), blame_window=(rep.get("blame_window") or {}).get("size"),
+                   # without the isolation pass: every module with a tensor beyond tolerance
+                   diverged_modules=len({t["module"] for t in rep.get("tensors", []) if not t["ok"]}),
+                   correct_module=fnmatch.fnmatch(f"{at['module']}/{at['kind']}", bug.expect),
+                   first_divergence_correct=fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bug.expect))
+    if loss is not None:
+        row["loss_first_step"] = loss.get("first_step")
+        row["loss_error"] = loss.get("error")
+    row["loss_steps"] = steps
+    return row
+
+
+def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
+    lines = ["# ttrace bug catalog benchmark", "",
+             f"{totals['detected']}/{totals['bugs']} detected, {totals['correct']}/{totals['bugs']} "
+             f"culprit at the catalogued module, mean blame window {totals['mean_blame_window']} "
+             f"(modules diverged without isolation: {totals['mean_diverged_modules']}), clean "
+             f"counterparts passing {totals['clean_pass']}/{totals['clean']}; "
+             f"{totals['wall_s']:.0f} s wall", "",
+             "| bug | trigger recipe | detected | first divergence | culprit | correct module? "
+             "| blame window | modules diverged | loss curve shows it at step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        loss = r.get("loss_first_step", "-")
+        if "loss_first_step" in r and loss is None:
+            loss = f"not within {r['loss_steps']}" if not r.get("loss_error") else "error"
+        lines.append(f"| {r['bug']} | `{r['trigger']}` | {'yes' if r['detected'] else '**NO**'} | "
+                     f"{r.get('first_divergence', r.get('error', '-'))} | "
+                     f"{r.get('culprit') or 'unresolved'} | "
+                     f"{'yes' if r.get('correct_module') else '**no**'} | "
+                     f"{r.get('blame_window', '-')} | {r.get('diverged_modules', '-')} | {loss} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bugs", default="", help="comma-separated subset of the catalog (default: all)")
+    ap.add_argument("--loss-steps", type=int, default=200, help="loss-curve baseline length (0: skip)")
+    ap.add_argument("--seeds", type=int, default=3, help="clean seeds for the loss spread")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "bugs.json"))
+    ap.add_argument("overrides", nargs="*", help="recipe overrides applied to every check")
+    args = ap.parse_args()
+    bugs = [b for b in args.bugs.split(",") if b] or list(CATALOG)
+    unknown = [b for b in bugs if b not in CATALOG]
+    if unknown:
+        print(f"bench-bugs: unknown bugs {unknown}; `ttrace bugs` lists the catalog", file=sys.stderr)
+        return 2
+    work = ROOT / "bench" / "bugs_runs" / time.strftime("%Y%m%d-%H%M%S")
+    t0 = time.perf_counter()
+    try:
+        checks = _checks(bugs, work, args.overrides)
+        checks_s = time.perf_counter() - t0
+        losses = _loss_curves(bugs, args.loss_steps, args.seeds, args.overrides) if args.loss_steps else {}
+    except TTraceError as e:
+        print(f"bench-bugs: error: {e}", file=sys.stderr)
+        return 2
+    rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].trigger)], losses.get(b),
+                 args.loss_steps) for b in bugs]
+    cleans = [r for k, r in checks.items() if k.startswith("clean:")]
+    windows = [r["blame_window"] for r in rows if r.get("blame_window")]
+    totals = {"bugs": len(rows), "detected": sum(r["detected"] for r in rows),
+              "correct": sum(bool(r.get("correct_module")) for r in rows),
+              "first_divergence_correct": sum(bool(r.get("first_divergence_correct")) for r in rows),
+              "mean_blame_window": round(statistics.mean(windows), 2) if windows else None,
+              "mean_diverged_modules": round(statistics.mean(r.get("diverged_modules", 0) for r in rows), 1),
+              "clean": len(cleans), "clean_pass": sum(r.verdict == "pass" for r in cleans),
+              "checks_wall_s": checks_s, "wall_s": time.perf_counter() - t0}
+    out = Path(args.out)
+    out.write_text(json.dumps({"totals": totals, "rows": rows,
+                               "loss_curves": {k: v for k, v in losses.items()}}, indent=1))
+    md = markdown(rows, totals)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    ok = totals["detected"] == totals["bugs"] and totals["clean_pass"] == totals["clean"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

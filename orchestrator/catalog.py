@@ -1,0 +1,33 @@
+"""`ttrace bugs`: the catalog of injectable silent bugs (workloads/bugs.py), one line each."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+
+def main(argv: list[str]) -> int:
+    from workloads.bugs import CATALOG
+
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: ttrace bugs [NAME]   list the bug catalog, or show one entry in full")
+        return 0
+    if argv:
+        bug = CATALOG.get(argv[0])
+        if bug is None:
+            print(f"ttrace bugs: no bug named '{argv[0]}'; `ttrace bugs` lists them", file=sys.stderr)
+            return 2
+        for field in ("name", "framework", "bugs_md", "mechanism", "needs", "trigger", "expect", "localize",
+                      "source"):
+            print(f"{field:>10}: {getattr(bug, field)}")
+        print(f"\n  run it:  ttrace {' '.join(bug.trigger)} bug={bug.name}")
+        return 0
+    table = Table(title=f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)")
+    for col in ("#", "bug", "trigger recipe", "must localize at", "mechanism"):
+        table.add_column(col, overflow="fold")
+    for b in sorted(CATALOG.values(), key=lambda b: (b.framework != "builtin", b.bugs_md, b.name)):
+        table.add_row(str(b.bugs_md or "-"), b.name, " ".join(b.trigger), b.expect, b.mechanism)
+    Console().print(table)
+    return 0
