@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint ui clean bench-tolerance nightly chromium
+.PHONY: setup demo test lint ui clean bench-tolerance bench-bugs nightly chromium
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes the local CPU wheel instead of a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,megatron,hf]'
 	touch $(STAMP)
 
 demo: setup
@@ -36,6 +36,11 @@ nightly: setup
 bench-tolerance: setup
 	$(BIN)/python bench/tolerance.py
 
+# Bug catalog: detection, culprit, blame window, loss-curve baseline -> bench/bugs.json + bench/bugs.md
+# (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)
+bench-bugs: setup
+	$(BIN)/python bench/bugs.py $(BENCH_ARGS)
+
 lint: setup
 	$(BIN)/ruff check tracer orchestrator workloads tests
 
@@ -43,4 +48,4 @@ ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
-	rm -rf $(VENV) outputs multirun ttrace_runs mlflow.db mlartifacts nightly
+	rm -rf $(VENV) outputs multirun ttrace_runs mlflow.db mlartifacts nightly bench/bugs_runs bench/errors

@@ -20,8 +20,9 @@ from typing import Any
 import fsspec
 
 from orchestrator import cluster, recipe, storage, tracking
-from tracer.compare import compare, load_logical
+from tracer.compare import Comparison, LogicalTrace, compare, load_logical
 from tracer.errors import TTraceError
+from tracer.isolation import localize
 from tracer.store import read_run
 from tracer.tolerance import TolerancePolicy
 
@@ -66,6 +67,8 @@ class _Planned:
     store_url: str = ""
     refs: _RefSet | None = None
     error: str | None = None
+    comparison: Comparison | None = None
+    loaded: tuple[LogicalTrace, list[LogicalTrace]] | None = None   # reference, perturbed
 
 
 def run_check(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
@@ -97,6 +100,9 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
                 p.error = str(e)
     for rs in refsets:
         _commit(rs)
+    for p in plans:
+        _judge(p)
+    _isolate([p for p in plans if p.comparison is not None and _wants_isolation(p)], progress)
     return [_finish(p, base_dir, parent_run_id) for p in plans]
 
 
@@ -188,7 +194,8 @@ def _commit(rs: _RefSet) -> None:
         rs.error = f"reference cache entry {rs.entry_url} could not be committed: {e}"
 
 
-def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResult:
+def _judge(p: _Planned) -> None:
+    """Compare the candidate with the reference; any failure to do so becomes p.error."""
     timings, report = p.report["timings"], p.report
     try:
         if p.error:
@@ -206,14 +213,82 @@ def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResul
         reference = load_logical(rs.url, "reference", 1)
         perturbed = [load_logical(rs.url, run, 1) for run in rs.runs[1:]]
         candidate = load_logical(p.store_url, "candidate", p.candidate.world_size)
-        tol = p.rec["tolerance"]
-        comparison = compare(reference, candidate, perturbed,
-                             TolerancePolicy.from_config(tol))
+        policy = TolerancePolicy.from_config(p.rec["tolerance"])
+        p.comparison = compare(reference, candidate, perturbed, policy)
+        p.loaded = (reference, perturbed)
         timings["compare"] = time.perf_counter() - t0
-        report.update(comparison.to_json())
-        verdict, message = comparison.verdict, ""
+        report.update(p.comparison.to_json())
     except TTraceError as e:
-        verdict, message = "error", str(e)
+        p.error, p.comparison = str(e), None
+
+
+def _wants_isolation(p: _Planned) -> bool:
+    """`localize: true` (default): on a failed check; `always`: also on a pass (a self-check of the
+    isolation pass, which must then flag nothing); `false`: never."""
+    from workloads.frameworks import supports_isolation
+
+    mode = p.rec.get("localize", True)
+    assert p.comparison is not None
+    wanted = mode == "always" or (mode is True and p.comparison.verdict == "fail")
+    if wanted and not supports_isolation(p.rec):
+        fw = p.rec["framework"]["name"]
+        p.report["localization_error"] = (f"no isolation pass for framework={fw} yet: the first divergence "
+                                          "is what is reported")
+        return False
+    return wanted
+
+
+def _isolate(plans: list[_Planned], progress: bool = False) -> None:
+    """Isolation pass for failed checks (`localize: true`, the default): rerun each candidate with
+    every module fed the reference's tensors (tracer/isolation.py), all on the cluster together, and
+    add `culprit` and `blame_window` to the report. A failure here leaves the verdict standing."""
+    jobs = []
+    for p in plans:
+        assert p.refs is not None and p.candidate is not None
+        spec = recipe.job_spec(p.rec, run="isolated", store_url=p.store_url)
+        spec["trace"]["isolate"] = {"url": p.refs.url, "run": "reference"}
+        jobs.append(cluster.Job("isolated", spec, p.candidate.world_size, label=p.check_id,
+                                timeout_s=float(p.rec["timeout_s"]), error_dir=p.output_dir / "errors"))
+    if not jobs:
+        return
+    t0 = time.perf_counter()
+    try:
+        with _progress(progress) as on_change:
+            cluster.run_jobs(jobs, cpus_per_rank=max(float(p.rec["cluster"]["cpus_per_rank"]) for p in plans),
+                             timeout_s=max(float(p.rec["timeout_s"]) for p in plans),
+                             error_dir=plans[0].output_dir / "errors", on_change=on_change)
+    except TTraceError as e:
+        for p in plans:
+            p.report["localization_error"] = str(e)
+        return
+    wall = time.perf_counter() - t0
+    for p, job in zip(plans, jobs, strict=True):
+        assert p.comparison is not None and p.loaded is not None
+        try:
+            if job.error:
+                raise TTraceError(job.error)
+            t1 = time.perf_counter()
+            isolated = load_logical(p.store_url, "isolated", job.world_size)
+            reference, perturbed = p.loaded
+            policy = TolerancePolicy.from_config(p.rec["tolerance"])
+            local = compare(reference, isolated, perturbed, policy)
+            if p.comparison.verdict == "fail":
+                p.report.update(localize(p.comparison, local))
+            p.report["isolation"] = {"flagged": sum(not r.ok for r in local.results), "run": "isolated",
+                                     "job_s": job.seconds, "jobs_wall": wall,
+                                     "compare_s": time.perf_counter() - t1,
+                                     "local": {r.name: [r.rel_err, r.elem_err] for r in local.results
+                                               if not r.ok}}
+        except TTraceError as e:
+            p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
+
+
+def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResult:
+    timings, report = p.report["timings"], p.report
+    if p.comparison is not None:
+        verdict, message = p.comparison.verdict, ""
+    else:
+        verdict, message = "error", str(p.error)
         report.update(verdict="error", error=message, first_divergence=None, tensors=[])
 
     report_path = p.output_dir / "report.json"

@@ -1,4 +1,5 @@
-"""`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace report <run-or-path>`: a summary.
+"""`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace report <run-or-path>`: a summary;
+`ttrace bugs`: the bug catalog; `ttrace nightly`: the regression suite.
 
 Exit 0 pass, 1 divergence, 2 error (a sweep exits with the worst of its checks).
 
@@ -37,8 +38,11 @@ def _summary(result: CheckResult) -> str:
     if fd is None:
         n = len(rep.get("tensors", []))
         return f"ttrace: PASS ({what}): {n} tensors within tolerance"
+    from tracer.isolation import describe
+
+    culprit = describe(rep) or rep.get("localization_error", "")
     return (f"ttrace: FAIL ({what}): first divergence {fd['name']} in module {fd['module']} "
-            f"({fd['module_type'] or fd['kind']}): {fd['reason']}")
+            f"({fd['module_type'] or fd['kind']}): {fd['reason']}" + (f"\n  {culprit}" if culprit else ""))
 
 
 @hydra.main(version_base="1.3", config_path=RECIPES, config_name="config")
@@ -62,6 +66,10 @@ def main() -> None:
         from orchestrator.summary import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "bugs":
+        from orchestrator.catalog import main as bugs_main
+
+        sys.exit(bugs_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "nightly":
         from orchestrator.nightly import main as nightly_main
 

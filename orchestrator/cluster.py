@@ -73,6 +73,7 @@ class Job:
     timeout_s: float | None = None      # per-job override of run_jobs(timeout_s=...)
     error_dir: Path | None = None       # per-job override of run_jobs(error_dir=...)
     state: str = "queued"               # queued | running | done | failed
+    relaunches: int = 0                 # rendezvous port lost to another process, job started again
 
 
 def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_dir: Path,
@@ -121,7 +122,16 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                     # Give the peers a moment to fail too, so the root cause (the rank that raised or
                     # died first) is reported beside the collective errors it caused.
                     done, pending = ray.wait(refs, num_returns=len(refs), timeout=FAILURE_GRACE_S)
-                    job.error = _failures(job, refs, done, pending, job.error_dir or error_dir)
+                    error = _failures(job, refs, done, pending, job.error_dir or error_dir)
+                    if _port_race(error) and job.relaunches < RELAUNCHES:
+                        # The free port picked by the rendezvous was taken by another process before
+                        # rank 0 bound it (concurrent sweeps on one node): nothing ran, start again.
+                        for ref in refs:
+                            ray.cancel(ref, force=True)
+                        job.relaunches += 1
+                        running[key] = (job, pg, _launch(job, pg), time.monotonic())
+                        continue
+                    job.error = error
                     _finish(running, key, cancel=True)
                     notify()
                 elif not pending:
@@ -141,6 +151,13 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
     finally:
         for key in list(running):
             _finish(running, key, cancel=True)
+
+
+RELAUNCHES = 2
+
+
+def _port_race(error: str) -> bool:
+    return "EADDRINUSE" in error or "address already in use" in error.lower()
 
 
 def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:

@@ -27,7 +27,7 @@ def _y(v: float, lo: float, hi: float) -> float:
     return PAD_T + (hi - math.log10(v)) / (hi - lo) * (H - PAD_T - PAD_B)
 
 
-def _panel(title: str, ts: list[dict[str, Any]], first: str | None) -> str:
+def _panel(title: str, ts: list[dict[str, Any]], first: str | None, culprit: str | None = None) -> str:
     if not ts:
         return ""
     # The axis spans the nonzero errors and the tolerances; exact zeros sit on the bottom line ("0").
@@ -56,6 +56,11 @@ def _panel(title: str, ts: list[dict[str, Any]], first: str | None) -> str:
                        f'<text x="{min(x(i) + 4, W - 260):.1f}" y="{PAD_T + 12}" class="firstlabel">'
                        f'first divergence: {html.escape(t["name"])}</text>')
             cls += " firstdot"
+        if t["name"] == culprit and culprit != first:
+            out.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{PAD_T}" y2="{H - PAD_B}" '
+                       'class="culpritline"/>'
+                       f'<text x="{min(x(i) + 4, W - 260):.1f}" y="{PAD_T + 26}" class="culpritlabel">'
+                       f'culprit: {html.escape(t["name"])}</text>')
         out.append(f'<circle cx="{x(i):.1f}" cy="{_y(max(err, FLOOR), lo, hi):.1f}" r="2.6" class="{cls}">'
                    f'<title>{html.escape(t["name"])}: rel_err {t["rel_err"]:.3g}, tol {t["tolerance"]:.3g}'
                    '</title></circle>')
@@ -68,6 +73,8 @@ def render(report: dict[str, Any]) -> str:
     tensors = report.get("tensors", [])
     fd = report.get("first_divergence")
     first = fd["name"] if fd else None
+    c = report.get("culprit") or {}
+    culprit = c.get("name") if c.get("resolved") else None
     what = f"parallel={rec.get('parallel', {}).get('name')} bug={rec.get('bug', {}).get('name')}"
     verdict = report.get("verdict", "error")
     ref = report.get("reference") or {}
@@ -77,9 +84,13 @@ def render(report: dict[str, Any]) -> str:
         headline = (f"FAIL: first divergence <b>{html.escape(fd['name'])}</b> in module "
                     f"<b>{html.escape(fd['module'])}</b> ({html.escape(fd['module_type'] or fd['kind'])}): "
                     f"{html.escape(fd['reason'])}")
+        from tracer.isolation import describe
+
+        if describe(report):
+            headline += f'<br><span class="culprit">{html.escape(describe(report))}</span>'
     else:
         headline = f"PASS: {len(tensors)} tensors within tolerance"
-    panels = "".join(_panel(title, [t for t in tensors if t["kind"] in kinds], first)
+    panels = "".join(_panel(title, [t for t in tensors if t["kind"] in kinds], first, culprit)
                      for title, kinds in PHASES)
     rows = [{c: t.get(c) for c in COLUMNS if c != "ratio"} |
             {"ratio": (t["rel_err"] / t["tolerance"]) if t["tolerance"] else 0.0} for t in tensors]
@@ -96,6 +107,8 @@ body{{font:14px system-ui,sans-serif;margin:20px;color:#222}} h1{{font-size:20px
 .xlabel{{font-size:10px;fill:#666;text-anchor:middle}} .tol{{fill:none;stroke:#888;stroke-width:1.2}}
 .dot{{fill:#2a6fdb}} .bad{{fill:#d93025}} .firstdot{{stroke:#000;stroke-width:1.5;r:4}}
 .first{{stroke:#d93025;stroke-dasharray:4 3}} .firstlabel{{font-size:11px;fill:#d93025}}
+.culpritline{{stroke:#7b1fa2;stroke-dasharray:2 2}} .culpritlabel{{font-size:11px;fill:#7b1fa2}}
+.culprit{{color:#7b1fa2}}
 table{{border-collapse:collapse;font-size:12px}} td,th{{border:1px solid #ddd;padding:2px 6px}}
 th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.firstrow td{{font-weight:bold}}
 </style></head><body>

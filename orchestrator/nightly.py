@@ -10,6 +10,7 @@ catalog bug was missed or mislocalized; 2: a check could not run (error) or the 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import json
 import os
 import re
@@ -57,8 +58,9 @@ def plan(argv: list[str]) -> tuple[str, list[dict[str, Any]], list[str], str]:
     bugs = list(CATALOG) if bugs == "catalog" else (bugs.split(",") if isinstance(bugs, str) else list(bugs))
     shared = [*matrix.get("overrides", []), *extra]
     entries: list[dict[str, Any]] = [
-        {"label": f"clean-{p}", "expect": "pass", "overrides": [f"parallel={p}", "bug=none", *shared]}
-        for p in clean if p]
+        {"label": "clean-" + "-".join(o.split("=", 1)[-1] for o in ovr), "expect": "pass",
+         "overrides": [*ovr, "bug=none", *shared]}
+        for item in clean if item for ovr in _clean_overrides(item)]
     for b in bugs:
         if not b:
             continue
@@ -69,6 +71,15 @@ def plan(argv: list[str]) -> tuple[str, list[dict[str, Any]], list[str], str]:
         entries.append({"label": f"bug-{b}", "expect": "fail", "pattern": bug.expect,
                         "overrides": [*trigger, f"bug={b}", *shared], "no_trigger": not trigger})
     return name, entries, shared, opts.get("output", cfg.get("output", "nightly"))
+
+
+def _clean_overrides(item: str) -> list[list[str]]:
+    """A clean-matrix item: a parallel recipe name (`tp2`), or overrides whose comma-separated values
+    expand to their product, as in a Hydra sweep (`model=llama_tiny precision=fp32,bf16 parallel=tp2,pp2`)."""
+    if "=" not in item:
+        return [[f"parallel={item}"]]
+    axes = [[f"{k}={v}" for v in vals.split(",")] for k, vals in (o.split("=", 1) for o in item.split())]
+    return [list(combo) for combo in itertools.product(*axes)]
 
 
 def judge(entry: dict[str, Any], report: dict[str, Any] | None) -> tuple[str, str]:
@@ -84,12 +95,22 @@ def judge(entry: dict[str, Any], report: dict[str, Any] | None) -> tuple[str, st
         return "regression", f"clean recipe diverged at {fd['name']} ({fd['reason']})"
     if report["verdict"] == "pass":
         return "regression", "bug MISSED: every tensor within tolerance"
-    where = f"{fd['module']}/{fd['kind']}"
+    at = located(report)
+    where = f"{at['module']}/{at['kind']}"
+    how = f"culprit {at['name']}" if at is not fd else f"first divergence {at['name']}"
+    window = (report.get("blame_window") or {}).get("size")
+    how += f" (blame window {window})" if window else ""
     if entry.get("pattern") and not fnmatch.fnmatch(where, entry["pattern"]):
-        return "regression", f"bug MISLOCALIZED at {fd['name']} (expected {entry['pattern']})"
+        return "regression", f"bug MISLOCALIZED: {how}, expected {entry['pattern']}"
     if not entry.get("pattern"):
-        return "ok", f"caught at {fd['name']} (localization not checked: Bug.expect is empty)"
-    return "ok", f"caught at {fd['name']}"
+        return "ok", f"caught: {how} (localization not checked: Bug.expect is empty)"
+    return "ok", f"caught: {how}"
+
+
+def located(report: dict[str, Any]) -> dict[str, Any]:
+    """Where a failed check points: the isolation pass's culprit when resolved, else the first divergence."""
+    c = report.get("culprit")
+    return c if c and c.get("resolved") else report["first_divergence"]
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,7 @@ from tracer.errors import ConfigError
 
 SINGLE_DEVICE = {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False}
 # Recipe parts that must be identical for a reference to be valid for a candidate.
-REFERENCE_KEYS = ("model", "precision", "data", "optim", "steps", "seed")
+REFERENCE_KEYS = ("framework", "model", "precision", "data", "optim", "steps", "seed")
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -69,6 +69,7 @@ def job_spec(recipe: dict[str, Any], *, run: str, store_url: str, parallel: dict
     from orchestrator.storage import options as store_options
 
     return {
+        "framework": recipe.get("framework") or {"name": "builtin"},
         "model": recipe["model"], "precision": recipe["precision"], "data": recipe["data"],
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
@@ -93,6 +94,9 @@ def validate(recipe: dict[str, Any]) -> None:
     if int(tol["perturbations"]) < 1:
         raise ConfigError("tolerance.perturbations must be >= 1: the tolerance is estimated from "
                           "perturbed reference runs")
+    if recipe.get("localize", True) not in (True, False, "always"):
+        raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
+                          "check), always (also on a pass) or false")
     spec = job_spec(recipe, run="validate", store_url="")
     validate_spec(spec)
     validate_spec(dict(spec, parallel=SINGLE_DEVICE, bug={"name": "none"}))

@@ -56,6 +56,10 @@ def render(report: dict[str, Any], console: Console) -> None:
     if fd:
         console.print(f"first divergence: {fd['name']} in module {fd['module']} "
                       f"({fd['module_type'] or fd['kind']}): {fd['reason']}", markup=False)
+        from tracer.isolation import describe
+
+        if describe(report):
+            console.print(describe(report), markup=False)
     else:
         console.print(f"{len(tensors)} tensors within tolerance")
     table = Table(title="per module type and kind: max rel_err / tolerance")

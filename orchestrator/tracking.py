@@ -83,6 +83,11 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
             "parallel": rec["parallel"]["name"], "bug": rec["bug"]["name"],
             "first_divergence.name": fd.get("name", ""), "first_divergence.module": fd.get("module", ""),
             "first_divergence.kind": fd.get("kind", "")}
+    culprit, window = report.get("culprit") or {}, report.get("blame_window") or {}
+    if culprit:
+        tags.update({"culprit.module": culprit["module"], "culprit.kind": culprit["kind"],
+                     "culprit.resolved": str(culprit.get("resolved")), "origin": report.get("origin", ""),
+                     "blame_window": str(window.get("size", ""))})
     if report.get("error"):
         tags["error"] = report["error"][:5000]
     if report.get("reference"):

@@ -21,3 +21,19 @@ def test_bf16_sequence_parallel_clean_passes(ray_cluster, workdir):
     assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
     # The elementwise metric and its tolerance are reported for every tensor.
     assert all(t["elem_tolerance"] >= 1.0 for t in clean.report["tensors"])
+
+
+def test_fp8_delayed_scaling_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir):
+    """Delayed scaling (amax history over steps, as TransformerEngine's default recipe): the clean
+    candidate matches its one-rank reference; the unreduced amax is still caught at the first GEMM."""
+    from orchestrator.check import run_checks
+    from orchestrator.recipe import compose
+
+    common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false",
+              f"cluster.address={ray_cluster}"]
+    clean, buggy = run_checks([(compose(common), workdir / "clean"),
+                               (compose([*common, "bug=fp8_amax_unreduced"]), workdir / "bug")],
+                              base_dir=str(workdir))
+    assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    assert buggy.verdict == "fail"
+    assert buggy.report["first_divergence"]["module"] == "layers.0.attn.qkv"

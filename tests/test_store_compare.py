@@ -164,3 +164,13 @@ def test_runs_of_different_recipes_are_an_error(traces):
     write_run(traces, "candidate", tp=2, fingerprint="recipe-b")
     with pytest.raises(TraceError, match="different recipe"):
         compare(load(traces, "reference"), load(traces, "candidate", 2), [], TolerancePolicy())
+
+
+def test_runs_of_different_dtypes_are_an_error(traces):
+    """Same shapes, different dtype (e.g. a bf16 candidate against an fp32 reference): an error."""
+    write_run(traces, "candidate", tp=2)
+    ref, cand = load(traces, "reference"), load(traces, "candidate", 2)
+    name = "0/0/fc/output"
+    cand.info[name] = dict(cand.info[name], dtype="bfloat16")
+    with pytest.raises(TraceError, match="bfloat16 but the reference as float32"):
+        compare(ref, cand, [], TolerancePolicy())

@@ -18,10 +18,12 @@ class Bug:
     bugs_md: int        # entry number in BUGS.md
     needs: str          # parallelism that triggers it
     localize: str       # where a correct tool must point (module, tensor kind)
-    # Nightly regression suite (orchestrator/nightly.py): the recipe overrides that trigger the bug,
-    # and an fnmatch pattern the first divergence's "module/kind" must match.
+    # Regression suite (orchestrator/nightly.py, bench/bugs.py): the recipe overrides that trigger the
+    # bug, and an fnmatch pattern the culprit's (else the first divergence's) "module/kind" must match.
     trigger: tuple[str, ...] = ()
     expect: str = ""
+    framework: str = "builtin"   # workloads/frameworks: bugs injected into a third-party library
+    source: str = ""             # where the real bug was reported
 
 
 NONE = "none"
@@ -30,20 +32,24 @@ CATALOG: dict[str, Bug] = {b.name: b for b in (
     Bug("dp_grad_not_averaged",
         "data-parallel grads are all-reduced (summed) but never divided by the DP size",
         12, "dp>1", "every param_grad (x dp); first: embedding.word.weight. Adam hides it in loss/params",
-        trigger=("parallel=tp2_dp2",), expect="*/param_grad"),
+        trigger=('parallel=tp2_dp2',), expect='embedding.word/param_grad',
+        source='BUGS.md #12 (data-parallel averaging)'),
     Bug("sp_layernorm_grad_unreduced",
         "with TP+SP, LayerNorm weight/bias grads are not all-reduced over the TP group",
         1, "tp>1, sp", "layers.*.ln1/ln2 and final_ln weight/bias grads (param_grad; replicas disagree)",
-        trigger=("parallel=tp2_sp",), expect="*ln*/param_grad"),
+        trigger=('parallel=tp2_sp',), expect='layers.0.ln1/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/1446'),
     Bug("row_parallel_bias_per_rank",
         "RowParallelLinear adds its bias to the partial output on every TP rank before the reduction",
         15, "tp>1", "layers.0.attn.proj output at step 1 (biases start at zero: step 0 is exact)",
-        trigger=("parallel=tp2",), expect="layers.0.attn.proj/output"),
+        trigger=('parallel=tp2',), expect='layers.0.attn.proj/output',
+        source='BUGS.md #15'),
     Bug("fp8_amax_unreduced",
         "FP8 amax not reduced (MAX) across the TP group: each shard quantizes with its own scale",
         14, "tp>1, precision=fp8", 
         "layers.0.attn.qkv output, step 0 (its weight shards get their own scales)",
-        trigger=("parallel=tp2", "precision=fp8"), expect="layers.0.attn.qkv/output"),
+        trigger=('parallel=tp2', 'precision=fp8'), expect='layers.0.attn.qkv/output',
+        source='BUGS.md #14 (TransformerEngine amax reduction)'),
 )}
 
 # Issue 4: GQA, tied embeddings, gradient accumulation, ZeRO-1 (workloads/llama.py, grad_sync.py, zero.py).
@@ -52,68 +58,145 @@ CATALOG.update({b.name: b for b in (
         "with several microbatches per step the loss is not divided by the number of local microbatches "
         "before backward, so accumulated grads are that many times too large",
         17, "micro-batches per DP rank > 1 (any recipe; trigger: parallel=tp2)",
-        "loss grad_output of the first microbatch (step 0): the first backward tensor"),
+        "loss grad_output of the first microbatch (step 0): the first backward tensor",
+        trigger=('parallel=tp2',), expect='loss/grad_output',
+        source='BUGS.md #17'),
     Bug("kv_head_grad_unreduced",
         "GQA with fewer KV heads than TP ranks: the replicated KV projection's grads are not all-reduced "
         "over the TP ranks sharing the KV head",
         11, "model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
-        "layers.*.attn.kv weight param_grad at step 0 (its TP replicas disagree)"),
+        "layers.*.attn.kv weight param_grad at step 0 (its TP replicas disagree)",
+        trigger=('model=llama_tiny', 'parallel=tp2'), expect='layers.0.attn.kv/param_grad',
+        source='https://github.com/bigcode-project/Megatron-LM/issues/11'),
     Bug("attention_dq_scale_wrong",
         "the explicit-backward GQA attention path computes dQ without the 1/sqrt(d) softmax scale",
         4, "model=llama_tiny (its attention code path), any layout (trigger: parallel=tp2)",
-        "layers.3.attn.q grad_output (step 0, first microbatch): the last layer's dQ, first in backward"),
+        "layers.3.attn.q grad_output (step 0, first microbatch): the last layer's dQ, first in backward",
+        trigger=('model=llama_tiny', 'parallel=tp2'), expect='layers.3.attn.q/grad_output',
+        source='https://github.com/NVIDIA/TransformerEngine/issues/1615'),
     Bug("tied_embedding_grad_lost_pp",
         "tied input/output embedding: the word-embedding grads of the first and last pipeline stage "
         "are not summed over the embedding group",
         6, "model=llama_tiny (tie_embeddings), pp>1 (trigger: parallel=pp2)",
-        "embedding.word.weight param_grad at step 0 (first/last stage copies disagree)"),
+        "embedding.word.weight param_grad at step 0 (first/last stage copies disagree)",
+        trigger=('model=llama_tiny', 'parallel=pp2'), expect='embedding.word/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/1548'),
     Bug("tied_embedding_grad_distopt",
         "with the distributed optimizer the tied-embedding all-reduce runs on the full grad buffer after "
         "the optimizer took its shards, so the shards miss the other stage's contribution",
         5, "model=llama_tiny (tie_embeddings), pp>1, zero1 (trigger: parallel=pp2_dp2_zero1)",
-        "embedding.word.weight param_grad at step 0 (ZeRO shards; stage copies disagree)"),
+        "embedding.word.weight param_grad at step 0 (ZeRO shards; stage copies disagree)",
+        trigger=('model=llama_tiny', 'parallel=pp2_dp2_zero1'), expect='embedding.word/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/844'),
     Bug("zero1_gather_offset_wrong",
         "the distributed optimizer all-gathers the updated parameter shards to the wrong offsets",
         18, "zero1, dp>1 (trigger: parallel=dp2_zero1)",
-        "the first parameter after the step 0 update (param kind): embedding.word.weight"),
+        "the first parameter after the step 0 update (param kind): embedding.word.weight",
+        trigger=('model=llama_tiny', 'parallel=dp2_zero1'), expect='embedding.word/param',
+        source='BUGS.md #18'),
     Bug("vpp_layer_offset_wrong",
         "a virtual-pipeline chunk computes its global layer numbers with the non-interleaved formula, "
         "so it initializes (and is traced as) the wrong layers",
         13, "pp>1, vpp>1 (trigger: parallel=pp2_vpp2)",
-        "layers.1 (its first submodule output, layers.1.ln1 / norm1) at step 0: the first misplaced chunk"),
+        "layers.1 (its first submodule output, layers.1.ln1 / norm1) at step 0: the first misplaced chunk",
+        trigger=('model=llama_tiny', 'parallel=pp2_vpp2'), expect='layers.1.*/output',
+        source='BUGS.md #13'),
     Bug("cp_loss_scaling_wrong",
         "under context parallelism each CP rank's copy of the loss is backpropagated as if the CP ranks' "
         "losses were summed: every grad is cp times too large",
         10, "cp>1 (trigger: parallel=cp2)",
-        "head grad_output (step 0, first microbatch): the first tensor behind the loss gather"),
+        "head grad_output (step 0, first microbatch): the first tensor behind the loss gather",
+        trigger=('model=llama_tiny', 'parallel=cp2'), expect='head/grad_output',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/673'),
     Bug("cp_rope_offset_wrong",
         "rotary position ids are not offset for the local (zigzag) sequence chunks under CP",
         16, "model=llama_tiny, cp>1 (trigger: parallel=cp2)",
-        "layers.0.attn.core output (step 0): the first attention computed with wrong rotary positions"),
+        "layers.0.attn.core output (step 0): the first attention computed with wrong rotary positions",
+        trigger=('model=llama_tiny', 'parallel=cp2'), expect='layers.0.attn.core/output',
+        source='BUGS.md #16'),
     Bug("cp_attention_backward_wrong",
         "ring attention backward: a received dK/dV partial replaces the owner's accumulator instead of "
         "being added to it",
         3, "cp>1 (trigger: parallel=cp2)",
-        "the last layer's qkv (gpt) / kv (llama) grad_output at step 0: the first dK/dV after the ring"),
+        "the last layer's qkv (gpt) / kv (llama) grad_output at step 0: the first dK/dV after the ring",
+        trigger=('model=llama_tiny', 'parallel=cp2'), expect='layers.3.attn.kv/grad_output',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/1464'),
     Bug("expert_grad_scaling_wrong",
         "MoE expert grads are divided by the expert-data-parallel size instead of the data-parallel size",
         9, "model=moe_tiny, ep>1 (trigger: parallel=ep2)",
-        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.*)"),
+        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.*)",
+        trigger=('model=moe_tiny', 'parallel=ep2'), expect='layers.0.mlp.experts.*/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/pull/7165'),
     Bug("expert_tp_grad_wrong_group",
         "expert-tensor-parallel grads are all-reduced over the TP group instead of the expert-data-parallel "
         "group (ETP>1, EP=1)",
         7, "model=moe_tiny, tp>1, ep=1, dp>1 (trigger: parallel=tp2_dp2)",
-        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.0.gate)"),
+        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.0.gate)",
+        trigger=('model=moe_tiny', 'parallel=tp2_dp2'), expect='layers.0.mlp.experts.*/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/1628'),
     Bug("grad_norm_wrong_group",
         "the global grad norm for clipping reduces the expert part over the wrong group (EDP, not EP), "
         "so EP ranks clip with different coefficients",
         8, "model=moe_tiny, ep>1, clipping active (trigger: parallel=ep2_tp2)",
-        "params after the step 0 update (param kind): the first parameter, whose DP replicas disagree"),
+        "params after the step 0 update (param kind): the first parameter, whose DP replicas disagree",
+        trigger=('model=moe_tiny', 'parallel=ep2_tp2'), expect='*/param',
+        source='https://github.com/NVIDIA/Megatron-LM/pull/5916'),
     Bug("moe_router_grad_unreduced",
         "with TP+SP the MoE router weight lacks the sequence-parallel marking, so its grad (partial over "
         "the TP ranks' sequence chunks) is never all-reduced",
         2, "model=moe_tiny, tp>1, sp (trigger: parallel=ep2_tp2)",
-        "layers.0.mlp.router weight param_grad at step 0 (its TP replicas disagree)"),
+        "layers.0.mlp.router weight param_grad at step 0 (its TP replicas disagree)",
+        trigger=('model=moe_tiny', 'parallel=ep2_tp2'), expect='layers.0.mlp.router/param_grad',
+        source='https://github.com/NVIDIA/Megatron-LM/issues/599'),
+)})
+
+
+# Bugs injected into third-party frameworks by patching the real function at fault
+# (workloads/frameworks/<framework>.py); their `trigger` includes the `framework=` override.
+# -- megatron-core
+CATALOG.update({b.name: b for b in (
+    Bug("megatron_sp_layernorm_grad_unreduced",
+        "megatron-core finalize_model_grads: _allreduce_non_tensor_model_parallel_grads loses its "
+        "sequence-parallel branch, so LayerNorm grads (partial over each rank's sequence chunk) are "
+        "never all-reduced over TP",
+        0, "tp>1, sp (trigger: framework=megatron_core parallel=tp2_sp)",
+        "decoder.layers.0.input_layernorm weight param_grad at step 0 (its TP replicas disagree)",
+        trigger=("framework=megatron_core", "parallel=tp2_sp"), expect="*layernorm/param_grad",
+        framework="megatron_core"),
+    Bug("megatron_sp_allgather_grad_unreduced",
+        "megatron-core ColumnParallelLinear under SP: the backward of its input all-gather scatters the "
+        "input grad instead of reduce-scattering it (tensor_parallel/layers.py dist_reduce_scatter_func), "
+        "so each rank keeps only its own heads'/features' share of the grad",
+        0, "tp>1, sp (trigger: framework=megatron_core parallel=tp2_sp)",
+        "decoder.final_layernorm grad_output at step 0 (the output layer's input grad: first in backward)",
+        trigger=("framework=megatron_core", "parallel=tp2_sp"), expect="decoder.final_layernorm/grad_output",
+        framework="megatron_core"),
+)})
+# -- PyTorch-native (DTensor plans, FSDP2, pipelining)
+CATALOG.update({b.name: b for b in (
+    Bug("tn_gqa_kv_gathered_output",
+        "torch-native TP plan for GQA with fewer KV heads than TP ranks: wk/wv as "
+        "`ColwiseParallel(output_layouts=Replicate())` (shard, then gather K/V). The forward is right, but "
+        "`to_local()` declares each rank's K/V gradient replicated although it only covers that rank's "
+        "query heads, so the wk/wv grads and their input grad lose the other ranks' part",
+        0, "framework=torch_native, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
+        "the last layer's attention.wk or attention.wv grad_output at step 0 (first backward tensor "
+        "of the K/V projections)",
+        framework="torch_native", trigger=("framework=torch_native", "parallel=tp2"),
+        expect="layers.3.attention.w[kv]/grad_output"),
+)})
+# -- Hugging Face transformers
+CATALOG.update({b.name: b for b in (
+    Bug("hf_gqa_kv_replicated_plan",
+        "Hugging Face TP plan for GQA with fewer KV heads than TP ranks maps k_proj/v_proj to transformers' "
+        "\"replicated_with_grad_allreduce\" style: their weight grads are summed over TP, but their input "
+        "grads (each rank: its own query heads' part) are not, so the gradient reaching the attention "
+        "input differs across TP ranks",
+        0, "framework=hf, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
+        "the last layer's input_layernorm grad_output at step 0: the K/V projections' input gradient, "
+        "whose TP replicas disagree",
+        framework="hf", trigger=("framework=hf", "model=llama_tiny", "parallel=tp2"),
+        expect="model.layers.3.input_layernorm/grad_output"),
 )})
 
 

@@ -132,6 +132,12 @@ def parse(spec: Mapping[str, Any]) -> Config:
 
 def validate(spec: Mapping[str, Any]) -> None:
     """Raise ConfigError naming what is wrong, where, and what to do; return None if the spec can run."""
+    from workloads import frameworks
+
+    fw = frameworks.adapter(spec)
+    if fw is not None:   # a third-party framework validates its own specs
+        fw.validate(spec)
+        return
     cfg = parse(spec)
     m, p = cfg.model, cfg.parallel
     where = f"parallel={p.name}, model={m.name}"
@@ -171,8 +177,10 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(cfg.precision in SUPPORTED_PRECISIONS,
          f"precision={cfg.precision} is not supported by the built-in GPT workload "
          f"(supported: {', '.join(SUPPORTED_PRECISIONS)}); use precision=fp32")
-    need(cfg.bug == bugs.NONE or cfg.bug in bugs.CATALOG,
-         f"unknown bug '{cfg.bug}'; known bugs: {', '.join(sorted(bugs.CATALOG))} (or 'none')")
+    builtin = sorted(n for n, b in bugs.CATALOG.items() if b.framework == "builtin")
+    need(cfg.bug == bugs.NONE or cfg.bug in builtin,
+         f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
+         "framework bugs need their framework= recipe")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
     _validate_variants(cfg, need)
     fault = spec.get("fault") or {}

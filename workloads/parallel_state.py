@@ -24,6 +24,9 @@ class ParallelState:
     pp_group: dist.ProcessGroup | None
     mp_group: dist.ProcessGroup | None   # every TP and PP rank sharing this rank's dp (and cp) index
     cp_group: dist.ProcessGroup | None = None   # context parallelism: ranks holding this sequence's chunks
+    # TP x CP: the ranks holding pieces of one microbatch's activations (FP8 amax reduction group, as
+    # Megatron's amax reduction group includes CP: each CP rank sees only its sequence chunks).
+    tp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def tp_size(self) -> int:
@@ -79,6 +82,7 @@ def initialize(parallel: ParallelConfig, rank: int, world_size: int) -> Parallel
         "pp": [[r(t, d, p, c) for p in range(pp)] for d in range(dp) for t in range(tp) for c in C],
         "mp": [[r(t, d, p, c) for p in range(pp) for t in range(tp)] for d in range(dp) for c in C],
         "cp": [[r(t, d, p, c) for c in C] for p in range(pp) for d in range(dp) for t in range(tp)],
+        "tp_cp": [[r(t, d, p, c) for c in C for t in range(tp)] for p in range(pp) for d in range(dp)],
     }
     mine: dict[str, dist.ProcessGroup | None] = {}
     for fam, groups in families.items():
@@ -87,4 +91,5 @@ def initialize(parallel: ParallelConfig, rank: int, world_size: int) -> Parallel
             if rank in ranks:
                 mine[fam] = g
     return ParallelState(rank=rank, sizes=sizes, coords=coords, tp_group=mine["tp"], dp_group=mine["dp"],
-                         pp_group=mine["pp"], mp_group=mine["mp"], cp_group=mine["cp"])
+                         pp_group=mine["pp"], mp_group=mine["mp"], cp_group=mine["cp"],
+                         tp_cp_group=mine["tp_cp"])

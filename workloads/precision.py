@@ -109,9 +109,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class FP8Scaling:
     """Scales of one FP8 module's three operands: input x, weight w (E4M3), output grad g (E5M2)."""
 
-    def __init__(self, recipe: Precision, tp_group: Group, dp_group: Group, reduce_tp: bool = True):
+    def __init__(self, recipe: Precision, amax_group: Group, dp_group: Group, reduce_tp: bool = True):
         self.delayed = recipe.scaling == "delayed"
-        self.tp_group = tp_group if reduce_tp else None   # None: BUG fp8_amax_unreduced
+        # The group holding pieces of one logical tensor: TP shards and, under CP, sequence chunks.
+        self.amax_group = amax_group if reduce_tp else None   # None: BUG fp8_amax_unreduced
         self.dp_group = dp_group
         self.history = {r: deque(maxlen=recipe.amax_history) for r in "xwg"}
         self.step_amax: dict[str, torch.Tensor] = {}
@@ -124,14 +125,14 @@ class FP8Scaling:
             if self.history[role]:
                 return quantize(t, dtype, max(self.history[role]))
         # Current scaling: every shard of a logical tensor must use the logical tensor's amax.
-        return quantize(t, dtype, _all_reduce_max(amax.clone(), self.tp_group))
+        return quantize(t, dtype, _all_reduce_max(amax.clone(), self.amax_group))
 
     def end_step(self) -> None:
         """Delayed scaling: push this step's amax, reduced over TP and DP, into the history."""
         if not self.delayed:
             return
         for role, amax in sorted(self.step_amax.items()):
-            amax = _all_reduce_max(_all_reduce_max(amax.clone(), self.tp_group), self.dp_group)
+            amax = _all_reduce_max(_all_reduce_max(amax.clone(), self.amax_group), self.dp_group)
             self.history[role].append(amax)
         self.step_amax.clear()
 
@@ -205,7 +206,7 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def apply(model: nn.Module, recipe: Precision, tp_group: Group, dp_group: Group, *,
+def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Group, *,
           amax_unreduced: bool = False, perturb_seed: int | None = None) -> None:
     """Give every linear its GEMM and every parameter an FP32 main grad (no-op for fp32).
 
@@ -216,7 +217,7 @@ def apply(model: nn.Module, recipe: Precision, tp_group: Group, dp_group: Group,
         if not hasattr(m, "linear"):
             continue
         if recipe.name == "fp8" and name.startswith("layers.") and name.endswith(recipe.fp8_modules):
-            m.fp8_scaling = FP8Scaling(recipe, tp_group, dp_group, reduce_tp=not amax_unreduced)
+            m.fp8_scaling = FP8Scaling(recipe, amax_group, dp_group, reduce_tp=not amax_unreduced)
             m.linear = fp8_linear(m.fp8_scaling)
         else:
             m.linear = bf16_linear

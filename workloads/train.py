@@ -136,6 +136,11 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
     `losses` holds the global mean loss per step on last-stage ranks ([] elsewhere).
     `tracer_factory` replaces the store-backed Tracer (tests use an in-memory collector).
     """
+    from workloads import frameworks
+
+    fw = frameworks.adapter(spec)
+    if fw is not None:   # megatron-core, torch-native or Hugging Face under test (workloads/frameworks)
+        return fw.run_rank(spec, rank, world_size, master_addr, master_port)
     validate(spec)
     cfg = parse(spec)
     if cfg.parallel.world_size != world_size:
@@ -157,10 +162,17 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
         model.to(recipe.param_dtype)   # BF16 parameters for bf16/fp8 recipes (no-op for fp32)
         init_weights(model, plan, ps, cfg)
         model.to(device)
-        precision.apply(model, recipe, ps.tp_group, ps.dp_group,
+        precision.apply(model, recipe, ps.tp_cp_group, ps.dp_group,
                         amax_unreduced=bugs.active(spec, "fp8_amax_unreduced"), perturb_seed=cfg.perturb_seed)
         tracer = (tracer_factory or _default_tracer)(cfg, ps)
         tracer.attach(model, plan, rename=renaming(model))
+        isolate = (spec.get("trace") or {}).get("isolate")
+        if isolate:   # isolation pass: every module is fed the reference's tensors (tracer/isolation.py)
+            from tracer.compare import load_logical
+            from tracer.isolation import ReferenceFeed
+
+            reference = load_logical(isolate["url"], isolate["run"], 1)
+            tracer.isolate(ReferenceFeed(reference, ps.coords, ps.sizes))
         tracer.set_grad_scale(cfg.micro_batches_local / cfg.micro_batches_global)
         optimizer = precision.optimizer(model, recipe, lambda params: torch.optim.Adam(
             params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False))
@@ -183,7 +195,7 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
                                               scale_loss=scale_loss)
                 else:
                     losses = one_f_one_b(model, mbs, tracer, ps, act_shape, device, scale_loss=scale_loss)
-                faults.maybe_inject(spec, rank, step)
+                faults.maybe_inject(spec, rank, step, model)
                 precision.end_step(model)
                 finalize_grads(model, ps, spec)
                 if cfg.parallel.zero1:   # traces its grad shards, clips, steps its shards, all-gathers
