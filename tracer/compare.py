@@ -232,8 +232,8 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
                              f"{tuple(r.shape)}: the runs do not match or a layout is declared wrong")
         c_dtype = candidate.info[name].get("dtype")
         if c_dtype and e.get("dtype") and c_dtype != e["dtype"]:
-            raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {e['dtype']}: the "
-                             "runs use different precision recipes; compare runs of the same recipe")
+            raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {e['dtype']}: "
+                             "the runs use different precision recipes; compare runs of the same recipe")
         if not torch.isfinite(r).all():
             raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
                              "even on one device, fix it before comparing")

@@ -48,3 +48,11 @@ def supports_isolation(spec: Mapping[str, Any]) -> bool:
     """Can this spec's trainer run the isolation pass (feed every module the reference's tensors)?"""
     fw = adapter(spec)
     return fw is None or bool(getattr(fw, "SUPPORTS_ISOLATION", False))
+
+
+def refuse_isolation(spec: Mapping[str, Any]) -> None:
+    """For adapters without SUPPORTS_ISOLATION: an isolated job must never run as a plain one (its
+    trace would be taken for local errors). The orchestrator does not schedule one (`supports_isolation`)."""
+    if (spec.get("trace") or {}).get("isolate"):
+        raise ConfigError(f"framework={name(spec)}: the isolation pass (localize) is not wired for this "
+                          "framework yet; the first divergence stands (localize=false skips it)")

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from tracer import ConfigError, full_tensor, perturb_ulp
 from workloads import bugs
 from workloads.config import Config, parse
+from workloads.frameworks import refuse_isolation
 from workloads.frameworks.torch_native import train
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
@@ -122,11 +123,9 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
     from tracer.frameworks.hf import tp_local_layouts
 
     validate(spec)
-    if (spec.get("trace") or {}).get("isolate"):
-        # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
-        # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
-        raise ConfigError("framework=hf: the isolation pass (localize) is not wired for DTensor-traced "
-                          "frameworks yet; the first divergence stands (localize=false skips it)")
+    # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
+    # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
+    refuse_isolation(spec)
     cfg = parse(spec)
     p = cfg.parallel
     if p.world_size != world_size:

@@ -33,6 +33,7 @@ from torch import nn
 from tracer import ConfigError, full_tensor, perturb_ulp, token_batch
 from workloads import bugs, faults
 from workloads.config import Config, parse
+from workloads.frameworks import refuse_isolation
 from workloads.llama import rotary
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
@@ -300,12 +301,9 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
     from tracer.frameworks.dtensor import DTensorTracer
 
     validate(spec)
-    if (spec.get("trace") or {}).get("isolate"):
-        # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
-        # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
-        raise ConfigError("framework=torch_native: the isolation pass (localize) is not wired for "
-                          "DTensor-traced frameworks yet; the first divergence stands "
-                          "(localize=false skips it)")
+    # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
+    # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
+    refuse_isolation(spec)
     cfg = parse(spec)
     p = cfg.parallel
     if p.world_size != world_size:

@@ -1,0 +1,170 @@
+"""framework=megatron_core: megatron-core's real GPTModel, DDP, schedules and grad finalization on CPU.
+
+Unit (no Ray, two gloo processes): the plan read from megatron's module attributes gives the Megatron
+layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 output (per-group
+layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes and each
+bug injected into megatron-core exits 1 at the module the catalog names.
+"""
+
+import fnmatch
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core")
+
+from orchestrator.check import run_checks  # noqa: E402
+from orchestrator.recipe import compose  # noqa: E402
+from workloads import bugs  # noqa: E402
+
+MODEL = {"name": "gpt_tiny", "vocab": 128, "hidden": 64, "heads": 4, "layers": 4, "seq_len": 32,
+         "ffn_hidden": 256}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PHASES = {"tp2_sp": (2, 1, True), "single": (1, 1, False), "pp2": (1, 2, False)}   # (tp, pp, sp) on 2 ranks
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    from tracer.frameworks.megatron_core import layer_renaming, plan_for
+    from workloads.frameworks import megatron_core as adapter
+    from workloads.frameworks import megatron_shims
+
+    megatron_shims.install()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = {}
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, MODEL["vocab"], (2, MODEL["seq_len"]), generator=gen)
+        pos = torch.arange(MODEL["seq_len"])[None].expand(2, -1)
+        for phase, (t, p, s) in PHASES.items():
+            mps.initialize_model_parallel(tensor_model_parallel_size=t, pipeline_model_parallel_size=p)
+            model = adapter._build({"model": MODEL}, adapter._config({"model": MODEL}, t, p, s))
+            plan, rename = plan_for(model), layer_renaming(model)
+            coords = {"tp": mps.get_tensor_model_parallel_rank(),
+                      "pp": mps.get_pipeline_model_parallel_rank()}
+            adapter.init_weights(model, plan, rename, coords, {"tp": t, "pp": p}, seed=7, perturb_seed=None)
+            qkv = {}
+
+            def keep(module, args, output, qkv=qkv):  # noqa: ANN001
+                qkv["out"] = output[0].detach().clone()
+
+            if p == 1:
+                model.decoder.layers[0].self_attention.linear_qkv.register_forward_hook(keep)
+                with torch.no_grad():
+                    model(ids, pos, megatron_shims.causal_mask(MODEL["seq_len"]))
+            out[phase] = {
+                "coords": coords, "qkv": qkv.get("out"),
+                "plan": {n: (type(m).__name__, plan[n].output.to_json(),
+                             {k: v.to_json() for k, v in plan[n].params.items()})
+                         for n, m in model.named_modules() if n in plan},
+                "rename": {n: rename(n) for n, _ in model.named_modules()},
+            }
+            mps.destroy_model_parallel()
+        queue.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    """Each of two gloo ranks builds the model under every PHASES layout: plans, renamings, QKV outputs."""
+    world = 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return got
+
+
+def _layout(shard=(), partial=()):
+    return {"shard": [list(s) for s in shard], "partial": list(partial)}
+
+
+def test_attribute_plan_tp2_sp_layouts_and_fused_qkv_reassembly(plans):
+    from tracer import Layout
+    from tracer.layouts import Piece, assemble
+
+    got = plans
+    plan = got[0]["tp2_sp"]["plan"]
+    seq, feat, rep = _layout([(0, "tp")]), _layout([(-1, "tp")]), _layout()
+    col = {"weight": _layout([(0, "tp")]), "bias": _layout([(0, "tp")])}
+    expect = {
+        "embedding": ("LanguageModelEmbedding", seq, {}),
+        "embedding.word_embeddings": ("VocabParallelEmbedding", rep, {"weight": _layout([(0, "tp")])}),
+        "decoder.layers.0": ("TransformerLayer", seq, {}),
+        "decoder.layers.0.input_layernorm": ("LayerNorm", seq, {}),
+        "decoder.layers.0.self_attention.linear_qkv": ("ColumnParallelLinear", feat, col),
+        "decoder.layers.0.self_attention.core_attention": ("DotProductAttention", feat, {}),
+        "decoder.layers.0.self_attention.linear_proj": ("RowParallelLinear", seq,
+                                                        {"weight": _layout([(1, "tp")])}),
+        "decoder.layers.3.mlp.linear_fc2": ("RowParallelLinear", seq, {"weight": _layout([(1, "tp")])}),
+        "decoder.final_layernorm": ("LayerNorm", seq, {}),
+        "output_layer": ("ColumnParallelLinear", feat, {"weight": _layout([(0, "tp")])}),
+    }
+    for name, want in expect.items():
+        assert tuple(plan[name]) == want, name
+    # The reference (TP=1, no SP) plan of the same model: nothing sharded on the sequence.
+    assert got[0]["single"]["plan"]["decoder.layers.0.input_layernorm"][1] == rep
+    # Fused QKV [s, b, groups*(q_per_group+2)*head_dim]: the TP=2 shards concatenate into TP=1's output.
+    pieces = [Piece(got[r]["tp2_sp"]["coords"], got[r]["tp2_sp"]["qkv"], rank=r) for r in (0, 1)]
+    full = assemble("qkv", Layout.from_json(feat), pieces, {"tp": 2}).tensor
+    ref = got[0]["single"]["qkv"]
+    assert full.shape == ref.shape == (MODEL["seq_len"], 2, 3 * MODEL["hidden"])
+    assert torch.allclose(full, ref, rtol=1e-5, atol=1e-6), (full - ref).abs().max()
+
+
+def test_layer_renaming_pp2_from_layer_numbers(plans):
+    got = plans
+    last = got[1]["pp2"]
+    assert last["rename"]["decoder.layers.0.mlp.linear_fc1"] == "decoder.layers.2.mlp.linear_fc1"
+    assert last["rename"]["decoder.layers.1"] == "decoder.layers.3"
+    assert got[0]["pp2"]["rename"]["decoder.layers.1"] == "decoder.layers.1"
+    assert len([n for n in last["plan"] if n.count(".") == 2 and ".layers." in n]) == 2   # 2 layers per stage
+    assert "output_layer" in last["plan"] and "embedding" not in last["plan"]
+
+
+# -- real Ray checks ----------------------------------------------------------------------------
+BUGGY = [n for n, b in bugs.CATALOG.items() if b.framework == "megatron_core"]
+
+
+@pytest.fixture(scope="module")
+def results(ray_cluster, tmp_path_factory):
+    work = tmp_path_factory.mktemp("megatron_checks")
+    common = ["framework=megatron_core", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    items = [(compose(["parallel=tp2_sp", *common]), work / "clean-tp2_sp")]
+    items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
+    out = run_checks(items, base_dir=str(work))
+    return dict(zip(["clean-tp2_sp", *BUGGY], out, strict=True))
+
+
+def test_clean_megatron_tp2_sp_passes(results):
+    res = results["clean-tp2_sp"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    assert len(res.report["tensors"]) > 500
+
+
+@pytest.mark.parametrize("bug", BUGGY)
+def test_megatron_bug_is_localized(results, bug):
+    assert len(BUGGY) >= 2
+    res = results[bug]
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    fd = res.report["first_divergence"]
+    assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[bug].expect), fd

@@ -1,0 +1,115 @@
+"""megatron-core: the tracing plan of any model built from its tensor-parallel modules, derived from
+the modules' own attributes (module types, `sequence_parallel`, `gather_output`, `input_is_parallel`,
+`reduce_scatter_embeddings`, the params' `sequence_parallel` tag, `layer_number`), never from names.
+
+    plan = plan_for(model)                      # {exact module name: ModuleLayout}
+    tracer.attach(model, plan, rename=layer_renaming(model))
+
+Activations are megatron's [seq, batch, hidden]: the sequence-parallel region is sharded on dim 0,
+tensor-parallel features on the last dim. The fused QKV projection is laid out per query group
+([groups * (q_per_group + 2) * head_dim, hidden]) and megatron requires groups % tp == 0, so every
+TP rank holds whole, contiguous groups: `Shard(0)` of the weight (and of the output's last dim)
+reassembles the TP=1 logical tensor with no permutation.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from tracer.layouts import Layout, Replicate, Shard
+from tracer.plan import LayerRenaming, ModuleLayout
+
+SEQ, FEATURE = 0, -1   # megatron activations: [s, b, h]
+
+
+def _sp(module: nn.Module) -> bool:
+    cfg = getattr(module, "config", None)
+    return bool(getattr(module, "sequence_parallel", getattr(cfg, "sequence_parallel", False)))
+
+
+def _seq(sp: bool, axis: str) -> Layout:
+    return Shard(SEQ, axis) if sp else Replicate()
+
+
+def module_layout(module: nn.Module, *, axis: str = "tp") -> ModuleLayout | None:
+    """The layout of one megatron-core module's output and parameters, or None (not traced)."""
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if isinstance(module, ColumnParallelLinear):   # output features split (whole QKV groups per rank)
+        params = {"weight": Shard(0, axis)}
+        if module.bias is not None:
+            params["bias"] = Shard(0, axis)
+        # Input all-gathered over the sequence under SP: the output holds the full sequence.
+        out = Replicate() if module.gather_output else Shard(FEATURE, axis)
+        return ModuleLayout(output=out, params=params)
+    if isinstance(module, RowParallelLinear):      # input features split; bias added once, after reduce
+        if not module.input_is_parallel:
+            raise ValueError("RowParallelLinear(input_is_parallel=False) is not supported by this plan")
+        # Output reduce-scattered along the sequence under SP, all-reduced otherwise (bias excluded
+        # when skip_bias_add: the caller adds it).
+        return ModuleLayout(output=_seq(module.sequence_parallel, axis), params={"weight": Shard(1, axis)})
+    if isinstance(module, VocabParallelEmbedding):  # vocab rows split; output reduced over TP
+        # [b, s, h] all-reduced, or [s, b, h] reduce-scattered along the sequence.
+        return ModuleLayout(output=_seq(module.reduce_scatter_embeddings, axis),
+                            params={"weight": Shard(0, axis)})
+    if isinstance(module, LanguageModelEmbedding):  # word + position embeddings, scattered under SP
+        return ModuleLayout(output=_seq(_sp(module) and module.scatter_to_sequence_parallel, axis))
+    if isinstance(module, DotProductAttention):     # context of this rank's heads, concatenated
+        return ModuleLayout(output=Shard(FEATURE, axis))
+    if isinstance(module, TransformerLayer):        # residual stream
+        return ModuleLayout(output=_seq(_sp(module), axis))
+    own = list(module.parameters(recurse=False))
+    if own and (isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+                or any(getattr(p, "sequence_parallel", False) for p in own)):
+        # Norms run on this rank's sequence chunk under SP: megatron tags their params
+        # `sequence_parallel` (their grads are partial sums, all-reduced in finalize_model_grads).
+        return ModuleLayout(output=_seq(any(getattr(p, "sequence_parallel", False) for p in own), axis))
+    return None
+
+
+def plan_for(model: nn.Module, *, axis: str = "tp") -> dict[str, ModuleLayout]:
+    """{module name: ModuleLayout} for every megatron-core module of `model` with a known layout
+    (names regex-safe: the plan's `*` wildcard never appears in module paths)."""
+    plan: dict[str, ModuleLayout] = {}
+    for name, module in model.named_modules():
+        entry = module_layout(module, axis=axis)
+        if entry is not None and name:
+            plan[name] = entry
+    return plan
+
+
+def layer_renaming(model: nn.Module) -> LayerRenaming:
+    """Local -> global transformer layer numbers from each layer's own `layer_number` (1-based,
+    pipeline offset included): `decoder.layers.0` on the second of two stages is `decoder.layers.2`."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    found: dict[str, dict[int, int]] = {}
+    for name, module in model.named_modules():
+        m = re.fullmatch(r"(.*\.)?layers\.(\d+)", name)
+        if m and isinstance(module, TransformerLayer):
+            found.setdefault(m.group(1) or "", {})[int(m.group(2))] = int(module.layer_number) - 1
+    if len(found) > 1:
+        raise ValueError(f"several layer stacks ({sorted(found)}); pass one renaming per stack")
+    prefix, table = next(iter(found.items())) if found else ("", {})
+    index = tuple(table[i] for i in range(len(table)))
+    return LayerRenaming(index, pattern=rf"^{re.escape(prefix)}layers\.(\d+)")
+
+
+def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Set megatron's `tensor_model_parallel` / `partition_dim` param attributes from the plan (they
+    are only set by megatron's own weight init, which a consistently initialized model skips); its
+    grad-norm (`param_is_not_tensor_parallel_duplicate`) reads them."""
+    from tracer.plan import param_layouts
+
+    layouts = param_layouts(model, plan)
+    for name, p in model.named_parameters():
+        shard = layouts[name].shard
+        p.tensor_model_parallel = bool(shard)
+        p.partition_dim = shard[0][0] if shard else -1
+        p.partition_stride = 1

@@ -1,0 +1,312 @@
+"""framework=megatron_core: megatron-core's own GPTModel, DDP wrapper, pipeline schedules and grad
+finalization, run on CPU (gloo) and traced by ttrace.
+
+The model is megatron-core's `GPTModel` with its local (non-Transformer-Engine) layer spec; its TP/SP
+layers, `DistributedDataParallel`, `get_forward_backward_func()` schedules and `finalize_model_grads`
+are the real library code. This adapter only builds them from the recipe, initializes weights
+consistently (tracer.full_tensor, sliced by the plan read from megatron's module attributes), and
+runs Adam with megatron's grad-norm clipping rule. The CPU shims live in `megatron_shims`.
+
+Bugs (workloads/bugs.py, `framework="megatron_core"`) are injected by patching the real megatron-core
+function at fault for the duration of the job (`_inject`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tracer import ConfigError, Replicate, Tracer, full_tensor, param_layouts, perturb_ulp, token_batch
+from workloads import bugs, faults
+from workloads.frameworks import megatron_shims, refuse_isolation
+
+NAME = "megatron_core"
+SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
+
+
+def _bugs() -> list[str]:
+    return sorted(n for n, b in bugs.CATALOG.items() if b.framework == NAME)
+
+
+# -- validation ----------------------------------------------------------------------------------
+def validate(spec: Mapping[str, Any]) -> None:
+    m, p = spec["model"], spec["parallel"]
+    where = f"framework={NAME}, parallel={p.get('name')}, model={m.get('name')}"
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(f"{where}: {msg}")
+
+    need(m.get("arch", "gpt") == "gpt" and not m.get("experts"),
+         "only the GPT architecture is wired to megatron-core's GPTModel; use model=gpt_tiny")
+    for key in ("cp", "ep", "vpp"):
+        need(int(p.get(key, 1) or 1) == 1, f"{key}={p.get(key)} is not supported by the megatron-core "
+             "adapter (supported: tp, sp, pp, dp); use parallel=tp2, tp2_sp or pp2")
+    need(not p.get("zero1"), "zero1 (megatron's distributed optimizer) needs CUDA; use parallel=tp2_sp")
+    tp, pp, ws = int(p.get("tp", 1)), int(p.get("pp", 1)), int(p["world_size"])
+    need(ws % (tp * pp) == 0, f"world_size={ws} is not a multiple of tp*pp={tp * pp}")
+    dp = ws // (tp * pp)
+    need(m["heads"] % tp == 0, f"heads={m['heads']} must be divisible by tp={tp} (whole QKV groups per rank)")
+    need(m["vocab"] % tp == 0, f"vocab={m['vocab']} must be divisible by tp={tp}")
+    need(m["ffn_hidden"] % tp == 0, f"ffn_hidden={m['ffn_hidden']} must be divisible by tp={tp}")
+    need(m["layers"] % pp == 0, f"layers={m['layers']} must be divisible by pp={pp}")
+    need(not p.get("sp") or (tp > 1 and m["seq_len"] % tp == 0),
+         f"sp needs tp > 1 and seq_len={m['seq_len']} divisible by tp={tp}")
+    gb, mb = int(spec["data"]["global_batch"]), int(spec["data"]["micro_batch"])
+    need(gb % (mb * dp) == 0, f"global_batch={gb} must be divisible by micro_batch*dp={mb * dp}")
+    need((spec.get("precision") or {}).get("name", "fp32") == "fp32",
+         "only precision=fp32 runs on CPU (megatron-core's bf16/fp8 paths need CUDA/Transformer Engine)")
+    bug = bugs.bug_name(spec)
+    need(bug == bugs.NONE or bug in _bugs(),
+         f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
+    need(int(spec["steps"]) >= 1, f"steps={spec['steps']} must be >= 1")
+
+
+# -- bug injection: patch the real megatron-core function at fault -------------------------------
+@contextlib.contextmanager
+def _inject(bug: str) -> Iterator[None]:
+    """Patch megatron-core for one job, restore on exit (Ray reuses worker processes)."""
+    # the modules (the package re-exports the function under the module's name)
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+
+    patches: list[tuple[Any, str, Any]] = []
+    if bug == "megatron_sp_layernorm_grad_unreduced":
+        real = fmg._allreduce_non_tensor_model_parallel_grads
+
+        def allreduce_without_sp(model, config, tp_group=None):  # noqa: ANN001 - megatron's signature
+            # BUG: the `config.sequence_parallel and param.sequence_parallel` branch is lost, so
+            # LayerNorm grads (partial sums over each rank's sequence chunk) are never all-reduced.
+            from dataclasses import replace
+            return real(model, replace(config, sequence_parallel=False), tp_group)
+        patches.append((fmg, "_allreduce_non_tensor_model_parallel_grads", allreduce_without_sp))
+    elif bug == "megatron_sp_allgather_grad_unreduced":
+        def reduce_scatter_without_reduce(output, input, group=None, async_op=False):  # noqa: A002
+            # BUG: the backward of ColumnParallelLinear's sequence-parallel all-gather must
+            # reduce-scatter the input grad over TP; this one only scatters (keeps the local partial).
+            output.copy_(input.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
+            return _Done() if async_op else None
+        patches.append((layers, "dist_reduce_scatter_func", reduce_scatter_without_reduce))
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+    for obj, attr, new in patches:
+        setattr(obj, attr, new)
+    try:
+        yield
+    finally:
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+# -- model ---------------------------------------------------------------------------------------
+def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
+    from megatron.core.transformer import TransformerConfig
+
+    m = spec["model"]
+    return TransformerConfig(
+        num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
+        ffn_hidden_size=m["ffn_hidden"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        sequence_parallel=sp, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, perform_initialization=False,   # ttrace's consistent init instead
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # CPU: the unfused paths (no apex / Transformer Engine kernels)
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+
+
+def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:
+    from megatron.core import parallel_state as mps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_local_spec()
+    norm = megatron_shims.TorchNorm   # torch LayerNorm that accepts sequence parallelism
+    layer.submodules.input_layernorm = norm
+    layer.submodules.pre_mlp_layernorm = norm
+    # this pipeline stage's layers (each numbers itself globally: `layer_number`)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
+    m = spec["model"]
+    return GPTModel(config, block, vocab_size=m["vocab"], max_sequence_length=m["seq_len"],
+                    pre_process=mps.is_pipeline_first_stage(), post_process=mps.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+
+
+def init_weights(model: torch.nn.Module, plan: Mapping[str, Any], rename: Any, coords: Mapping[str, int],
+                 sizes: Mapping[str, int], seed: int, perturb_seed: int | None) -> None:
+    """Every parameter generated as its full logical tensor under its global name (one ulp perturbed
+    for perturbed references), then sliced to this rank's shard by the plan's layout."""
+    modules = dict(model.named_modules())
+    for name, layout in param_layouts(model, plan).items():
+        p = model.get_parameter(name)
+        shape = list(p.shape)
+        for dim, axis in layout.shard:
+            shape[dim] *= sizes[axis]
+        owner, kind = modules[name.rpartition(".")[0]], name.rpartition(".")[2]
+        is_norm = isinstance(owner, (torch.nn.LayerNorm, torch.nn.RMSNorm))
+        init = (("ones" if kind == "weight" else "zeros") if is_norm
+                else ("zeros" if kind == "bias" else "normal"))
+        gname = rename(name)
+        full = full_tensor(gname, tuple(shape), seed, init=init, std=0.02)
+        if perturb_seed is not None:
+            full = perturb_ulp(full, perturb_seed, gname)
+        with torch.no_grad():
+            p.copy_(layout.local(full, coords, sizes))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """megatron's rule (optimizer/clip_grads.py, which allocates on CUDA): squares of grads of params
+    that are not TP duplicates, summed over the model-parallel group."""
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    grads = [p.main_grad for p in params if p.main_grad is not None]
+    sq = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p):
+            sq = sq + p.main_grad.float().pow(2).sum()
+    dist.all_reduce(sq, group=mps.get_model_parallel_group())
+    total = math.sqrt(sq.item())
+    coef = max_norm / (total + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+@dataclass
+class _Microbatch:
+    index: int
+    ids: torch.Tensor
+    labels: torch.Tensor
+
+
+# -- entry point ---------------------------------------------------------------------------------
+def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+    refuse_isolation(spec)   # not wired for megatron-core yet (workloads/frameworks)
+    validate(spec)
+    p = spec["parallel"]
+    tp, pp, sp = int(p.get("tp", 1)), int(p.get("pp", 1)), bool(p.get("sp"))
+    if int(p["world_size"]) != world_size:
+        raise ConfigError(f"parallel={p.get('name')} declares world_size={p['world_size']} but the job was "
+                          f"launched with {world_size} ranks")
+    megatron_shims.install()
+    from megatron.core import parallel_state as mps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tracer.frameworks.megatron_core import layer_renaming, plan_for, tensor_parallel_attrs
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    trace = spec.get("trace") or {}
+    timeout = timedelta(seconds=float(spec.get("timeout_s", 300)))
+    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    tracer = None
+    try:
+        mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                      distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)))
+        dp = mps.get_data_parallel_world_size()
+        coords = {"tp": mps.get_tensor_model_parallel_rank(), "pp": mps.get_pipeline_model_parallel_rank(),
+                  "dp": mps.get_data_parallel_rank()}
+        sizes = {"tp": tp, "pp": pp, "dp": dp}
+        config = _config(spec, tp, pp, sp)
+        model = _build(spec, config)
+        plan, rename = plan_for(model), layer_renaming(model)   # the integration (README)
+        init_weights(model, plan, rename, coords, sizes, int(spec["seed"]), trace.get("perturb_seed"))
+        tensor_parallel_attrs(model, plan)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            overlap_grad_reduce=False, use_distributed_optimizer=False, bucket_size=None), model)
+        if trace.get("enabled", True):
+            tracer = Tracer(trace["store_url"], trace["run"], rank, coords=coords, sizes=sizes, meta={
+                "workload": NAME, "model": spec["model"]["name"], "parallel": p.get("name"),
+                "bug": bugs.bug_name(spec), "precision": "fp32", "pp_stage": coords["pp"],
+                "fingerprint": trace.get("fingerprint")})
+        else:
+            tracer = Tracer.disabled()
+        tracer.attach(model, plan, rename=rename)
+        gb, mbs = int(spec["data"]["global_batch"]), int(spec["data"]["micro_batch"])
+        m_global = gb // mbs
+        m_local = m_global // dp
+        tracer.set_grad_scale(m_local / m_global)
+        params = [q for q in model.parameters() if q.requires_grad]
+        optim = spec["optim"]
+        optimizer = torch.optim.Adam(params, lr=float(optim["lr"]), betas=(0.9, 0.95), eps=1e-8,
+                                     weight_decay=0.0, foreach=False)
+        seq = int(spec["model"]["seq_len"])
+        mask = megatron_shims.causal_mask(seq)
+        positions = torch.arange(seq)[None].expand(mbs, seq)
+        forward_backward = get_forward_backward_func()
+        last = mps.is_pipeline_last_stage()
+
+        step_losses: list[float] = []
+        with _inject(bugs.bug_name(spec)):
+            for step in range(int(spec["steps"])):
+                tokens = token_batch(int(spec["seed"]), step, gb, seq, int(spec["model"]["vocab"]))
+                local = tokens[coords["dp"] * gb // dp:(coords["dp"] + 1) * gb // dp]
+                batches = [_Microbatch(coords["dp"] * m_local + j, c[:, :-1], c[:, 1:])
+                           for j, c in enumerate(local.split(mbs))]
+                losses: list[float] = []
+
+                def forward_step(data_iterator, model_chunk, _losses=losses):  # noqa: ANN001
+                    mb = next(data_iterator)
+                    with tracer.microbatch(mb.index):
+                        out = model_chunk(mb.ids, positions, mask, labels=mb.labels)
+
+                    def loss_func(per_token: torch.Tensor, mb=mb):  # noqa: ANN001
+                        # per-token loss [b, s] from megatron's vocab-parallel cross-entropy
+                        tracer.record("loss", "output", per_token, Replicate(), microbatch=mb.index,
+                                      module_type="vocab_parallel_cross_entropy")
+                        loss = per_token.mean()
+                        tracer.record_loss(loss.detach(), microbatch=mb.index)
+                        _losses.append(loss.item())
+                        return loss, {"lm loss": loss.detach()}   # the schedule divides by m_local
+                    return out, loss_func
+
+                with tracer.step(step):
+                    ddp.zero_grad_buffer()
+                    optimizer.zero_grad(set_to_none=True)
+                    forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                     num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
+                                     forward_only=False)
+                    faults.maybe_inject(spec, rank, step)
+                    finalize_model_grads([ddp])   # DP all-reduce, SP LayerNorm grads over TP, embeddings
+                    tracer.record_param_grads(model)
+                    clip_grad_norm(params, float(optim["clip_grad"]))
+                    for q in params:
+                        q.grad = q.main_grad
+                    optimizer.step()
+                    tracer.record_params(model)
+                if last:
+                    total = torch.tensor(sum(losses), dtype=torch.float64)
+                    if dp > 1:
+                        dist.all_reduce(total, group=mps.get_data_parallel_group())
+                    step_losses.append(total.item() / m_global)
+        return {"rank": rank, "losses": step_losses, "seconds": time.perf_counter() - t0}
+    finally:
+        try:
+            if tracer is not None:
+                tracer.close()
+        finally:
+            try:
+                mps.destroy_model_parallel()
+            finally:
+                dist.destroy_process_group()
