@@ -102,7 +102,12 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
         _commit(rs)
     for p in plans:
         _judge(p)
-    _isolate([p for p in plans if p.comparison is not None and _wants_isolation(p)], progress)
+    isolate = [p for p in plans if p.comparison is not None and _wants_isolation(p)]
+    keep = {id(p) for p in isolate}
+    for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
+        if id(p) not in keep:
+            p.loaded = None
+    _isolate(isolate, progress)
     return [_finish(p, base_dir, parent_run_id) for p in plans]
 
 
@@ -281,6 +286,8 @@ def _isolate(plans: list[_Planned], progress: bool = False) -> None:
                                                if not r.ok}}
         except TTraceError as e:
             p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
+        finally:
+            p.loaded = None
 
 
 def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResult:
