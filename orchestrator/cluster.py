@@ -3,7 +3,13 @@
 A job is one training run (reference, perturbed reference or candidate): `world_size` rank tasks
 placed together in one placement group, so a job either gets all its ranks or waits. Jobs run
 concurrently as the cluster's resources allow. A rank that raises, dies or outlives the job's
-timeout fails the whole job: its other ranks are cancelled (they would block in a collective).
+timeout fails the whole job: its other ranks are stopped (they would block in a collective).
+
+Ranks are stopped by removing the job's placement group, which makes the raylet kill every worker
+leased in it; their tasks then fail through Ray's ordinary worker-death path. `ray.cancel(force=True)`
+is never used: in Ray 2.x it races with a task that is completing at the same moment (a peer that
+just got the collective error) and aborts the driver process (`Check failed: it !=
+submissible_tasks_.end()`, ray-project/ray#54846).
 """
 
 from __future__ import annotations
@@ -125,11 +131,13 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                     error = _failures(job, refs, done, pending, job.error_dir or error_dir)
                     if _port_race(error) and job.relaunches < RELAUNCHES:
                         # The free port picked by the rendezvous was taken by another process before
-                        # rank 0 bound it (concurrent sweeps on one node): nothing ran, start again.
-                        for ref in refs:
-                            ray.cancel(ref, force=True)
+                        # rank 0 bound it (concurrent sweeps on one node): nothing ran, start again
+                        # in a fresh placement group (removing the old one stops the other ranks).
+                        remove_placement_group(pg)
                         job.relaunches += 1
-                        running[key] = (job, pg, _launch(job, pg), time.monotonic())
+                        job.state = "queued"
+                        running[key] = (job, placement_group([dict(bundle) for _ in range(job.world_size)],
+                                                             strategy="PACK"), [], None)
                         continue
                     job.error = error
                     _finish(running, key, cancel=True)
@@ -204,9 +212,7 @@ def _failures(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef], pe
 
 
 def _finish(running: dict[int, Any], key: int, cancel: bool = False) -> None:
-    job, pg, refs, _ = running.pop(key)
+    """Release the job's placement group; with `cancel`, any rank still running is killed with it."""
+    job, pg, _, _ = running.pop(key)
     job.state = "failed" if (cancel or job.error) else "done"
-    if cancel:
-        for ref in refs:
-            ray.cancel(ref, force=True)
     remove_placement_group(pg)
