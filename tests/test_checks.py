@@ -23,7 +23,8 @@ def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ra
     assert kinds == {"output", "grad_output", "loss", "param_grad", "param"}
     assert all(t["ok"] for t in clean.report["tensors"])
 
-    buggy = check(workdir, "parallel=tp2_sp", "bug=sp_layernorm_grad_unreduced")
+    # localize=false: this test is about detection and logging (isolation: test_localization.py).
+    buggy = check(workdir, "parallel=tp2_sp", "bug=sp_layernorm_grad_unreduced", "localize=false")
     assert buggy.verdict == "fail" and buggy.exit_code == 1
     fd = buggy.report["first_divergence"]
     assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
@@ -44,7 +45,7 @@ def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ra
 
 
 def test_row_parallel_bias_counted_per_rank_is_named_at_the_row_parallel_output(ray_cluster, workdir):
-    res = check(workdir, "parallel=tp2", "bug=row_parallel_bias_per_rank")
+    res = check(workdir, "parallel=tp2", "bug=row_parallel_bias_per_rank", "localize=false")
     assert res.verdict == "fail"
     fd = res.report["first_divergence"]
     assert fd["kind"] == "output" and fd["module"] == "layers.0.attn.proj", fd
@@ -54,7 +55,7 @@ def test_cli_joins_the_cluster_and_reports_dp_grads_summed(ray_cluster, workdir)
     """The console entry point end to end: exit code 1, report path last, param grad named."""
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "parallel=tp2_dp2", "bug=dp_grad_not_averaged",
-         f"cluster.address={ray_cluster}", "tolerance.perturbations=2"],
+         f"cluster.address={ray_cluster}", "tolerance.perturbations=2", "localize=false"],
         capture_output=True, text=True, cwd=workdir, timeout=600)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

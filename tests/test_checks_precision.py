@@ -10,7 +10,7 @@ def test_fp8_tp2_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir)
     dtypes = {t["name"]: t for t in clean.report["tensors"]}
     assert dtypes["0/0/layers.0.attn.qkv/output"]["rel_err"] == 0.0   # same scales: bit-exact shards
     buggy = check(workdir, "parallel=tp2", "precision=fp8", "bug=fp8_amax_unreduced",
-                  "tracking.enabled=false")
+                  "tracking.enabled=false", "localize=false")
     assert buggy.verdict == "fail" and buggy.exit_code == 1
     fd = buggy.report["first_divergence"]
     assert fd["name"] == "0/0/layers.0.attn.qkv/output", fd   # the first FP8 GEMM, first microbatch
@@ -29,7 +29,7 @@ def test_fp8_delayed_scaling_clean_passes_and_unreduced_amax_is_caught(ray_clust
     from orchestrator.check import run_checks
     from orchestrator.recipe import compose
 
-    common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false",
+    common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false", "localize=false",
               f"cluster.address={ray_cluster}"]
     clean, buggy = run_checks([(compose(common), workdir / "clean"),
                                (compose([*common, "bug=fp8_amax_unreduced"]), workdir / "bug")],
