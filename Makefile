@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint ui clean bench-tolerance bench-bugs nightly chromium
+.PHONY: setup demo test lint ui clean bench-tolerance bench-bugs bench-perf bench-faults nightly chromium
 
 setup: $(STAMP)
 
@@ -40,6 +40,15 @@ bench-tolerance: setup
 # (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)
 bench-bugs: setup
 	$(BIN)/python bench/bugs.py $(BENCH_ARGS)
+
+# ttrace's own cost: tracer overhead, compare vs raw read throughput, demo latency by stage -> bench/perf.json
+bench-perf: setup
+	$(BIN)/python bench/perf.py $(BENCH_ARGS)
+
+# Fault suite: faults tried / survived (exit 1 or 2 in bounded time) / data lost -> bench/faults.json
+# (BENCH_ARGS="--only jobs,trace" narrows it)
+bench-faults: setup
+	$(BIN)/python bench/faults.py $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check tracer orchestrator workloads tests

@@ -3,14 +3,16 @@ one-rank reference; FP8 amax not reduced over TP (BUGS.md #14) is caught."""
 
 from test_checks import check
 
+SMALL = ["model.layers=2", "tolerance.perturbations=2"]   # the FP8 bug shows at the first GEMM
+
 
 def test_fp8_tp2_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir):
-    clean = check(workdir, "parallel=tp2", "precision=fp8", "tracking.enabled=false")
+    clean = check(workdir, "parallel=tp2", "precision=fp8", "tracking.enabled=false", *SMALL)
     assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
     dtypes = {t["name"]: t for t in clean.report["tensors"]}
     assert dtypes["0/0/layers.0.attn.qkv/output"]["rel_err"] == 0.0   # same scales: bit-exact shards
     buggy = check(workdir, "parallel=tp2", "precision=fp8", "bug=fp8_amax_unreduced",
-                  "tracking.enabled=false", "localize=false")
+                  "tracking.enabled=false", "localize=false", *SMALL)
     assert buggy.verdict == "fail" and buggy.exit_code == 1
     fd = buggy.report["first_divergence"]
     assert fd["name"] == "0/0/layers.0.attn.qkv/output", fd   # the first FP8 GEMM, first microbatch
@@ -30,7 +32,7 @@ def test_fp8_delayed_scaling_clean_passes_and_unreduced_amax_is_caught(ray_clust
     from orchestrator.recipe import compose
 
     common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false", "localize=false",
-              f"cluster.address={ray_cluster}"]
+              f"cluster.address={ray_cluster}", *SMALL]
     clean, buggy = run_checks([(compose(common), workdir / "clean"),
                                (compose([*common, "bug=fp8_amax_unreduced"]), workdir / "bug")],
                               base_dir=str(workdir))
