@@ -1,5 +1,6 @@
 """Store round-trip, integrity checks, and the comparison stage on hand-built traces (no Ray)."""
 
+import json
 import math
 from pathlib import Path
 
@@ -164,6 +165,17 @@ def test_runs_of_different_recipes_are_an_error(traces):
     write_run(traces, "candidate", tp=2, fingerprint="recipe-b")
     with pytest.raises(TraceError, match="different recipe"):
         compare(load(traces, "reference"), load(traces, "candidate", 2), [], TolerancePolicy())
+
+
+def test_a_rank_manifest_from_another_recipe_is_an_error(traces):
+    """Rank 1's manifest comes from a different recipe than rank 0's: the run itself is refused."""
+    write_run(traces, "candidate", tp=2)
+    m = traces / "candidate" / "rank00001" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["meta"]["fingerprint"] = "recipe-b"
+    m.write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match=r"rank\(s\) \[1\] were traced from a different recipe"):
+        load(traces, "candidate", 2)
 
 
 def test_runs_of_different_dtypes_are_an_error(traces):

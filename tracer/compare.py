@@ -34,6 +34,14 @@ class LogicalTrace:
 
 def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
     ranks = read_run(root, run, world_size)
+    # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
+    # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
+    prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
+    if len(set(prints.values())) > 1:
+        odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
+        raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe than "
+                         f"rank {ranks[0].rank} (fingerprints {sorted(set(map(str, prints.values())))}); the run "
+                         "directory mixes runs, rerun the job into a fresh store path")
     pieces: dict[str, list[Piece]] = {}
     info: dict[str, dict[str, Any]] = {}
     for rt in ranks:

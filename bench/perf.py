@@ -1,0 +1,234 @@
+"""Performance of ttrace itself, all figures measured in one run -> bench/perf.json and a table.
+
+- tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
+  peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
+  4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
+  process, so peak RSS is that configuration's own.
+- comparison throughput: GB/s of trace compared (`load_logical` + `compare`, reference + R
+  perturbed + candidate) vs the raw read throughput of the same files from the same store.
+- scaling: compare time for 1x, 4x, 16x trace sizes (model.layers 2, 8, 32).
+- end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
+
+Usage: python bench/perf.py [--steps 6] [--skip-e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "bench" / "perf.json"
+MODELS = {"gpt_tiny": [], "gpt_tiny_4x": ["model.hidden=128", "model.ffn_hidden=512"]}
+SCALES = {"1x": 2, "4x": 8, "16x": 32}   # model.layers: trace size grows linearly with depth
+R = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec(overrides: list[str], store: str, run: str, *, trace: bool = True,
+          perturb_seed: int | None = None) -> dict[str, Any]:
+    from orchestrator.recipe import compose, job_spec
+
+    rec = compose(["parallel=single", *overrides])
+    spec = job_spec(rec, run=run, store_url=store, perturb_seed=perturb_seed)
+    spec["trace"]["enabled"] = trace
+    return spec
+
+
+class _TimedTracer:
+    """Delegates to the real (or disabled) tracer and times each `step` block."""
+
+    def __init__(self, inner: Any, times: list[float]):
+        self._inner, self._times = inner, times
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def step(self, step: int) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed():
+            t0 = time.perf_counter()
+            with self._inner.step(step):
+                yield
+            self._times.append(time.perf_counter() - t0)
+        return timed()
+
+
+def _train(specs: list[dict[str, Any]], q: Any) -> None:
+    """Child process: run each single-rank job in turn; report step times, wall and peak RSS."""
+    from workloads import train
+
+    out = []
+    for spec in specs:
+        times: list[float] = []
+        factory = lambda cfg, ps, times=times: _TimedTracer(train._default_tracer(cfg, ps), times)
+        t0 = time.perf_counter()
+        train.run_rank(spec, 0, 1, "127.0.0.1", _free_port(), tracer_factory=factory)
+        out.append({"steps": times, "wall": time.perf_counter() - t0})
+    q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _spawn(specs: list[dict[str, Any]]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_train, args=(specs, q))
+    p.start()
+    res = q.get(timeout=1800)
+    p.join()
+    return res
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def overhead(steps: int, tmp: Path) -> dict[str, Any]:
+    out = {}
+    for model, ov in MODELS.items():
+        ov = [*ov, f"steps={steps}"]
+        store = tmp / f"overhead-{model}"
+        row: dict[str, Any] = {}
+        for mode in ("off", "on"):
+            res = _spawn([_spec(ov, str(store), mode, trace=mode == "on")])
+            st = res["runs"][0]["steps"][1:]   # step 0 pays one-off allocations
+            row[mode] = {"step_min_s": min(st), "step_median_s": statistics.median(st),
+                         "wall_s": res["runs"][0]["wall"], "peak_rss_mb": res["peak_rss_mb"]}
+        on, off = row["on"], row["off"]
+        row.update(step_ratio_median=on["step_median_s"] / off["step_median_s"],
+                   step_ratio_min=on["step_min_s"] / off["step_min_s"],
+                   wall_ratio=on["wall_s"] / off["wall_s"], rss_ratio=on["peak_rss_mb"] / off["peak_rss_mb"],
+                   trace_bytes_per_step=_dir_bytes(store / "on") / steps)
+        out[model] = row
+    return out
+
+
+def compare_scaling(tmp: Path) -> dict[str, Any]:
+    import fsspec
+
+    from orchestrator.recipe import compose
+    from tracer.compare import compare, load_logical
+    from tracer.tolerance import TolerancePolicy
+
+    policy = TolerancePolicy.from_config(compose([])["tolerance"])
+    out = {}
+    for label, layers in SCALES.items():
+        store = str(tmp / f"scale-{label}")
+        ov = [f"model.layers={layers}"]
+        runs = ["reference", *(f"perturbed{i}" for i in range(1, R + 1)), "candidate"]
+        _spawn([_spec(ov, store, "reference"), *(_spec(ov, store, f"perturbed{i}", perturb_seed=i)
+                                                  for i in range(1, R + 1)), _spec(ov, store, "candidate")])
+        # Raw read: every byte of every part and manifest, through the same fsspec filesystem.
+        fs = fsspec.filesystem("file")
+        files = [f for f in fs.find(store) if f.endswith((".safetensors", ".json"))]
+        t0 = time.perf_counter()
+        nbytes = sum(len(fs.cat_file(f)) for f in files)
+        raw_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref, *pert, cand = (load_logical(store, r, 1) for r in runs)
+        load_s = time.perf_counter() - t0
+        res = compare(ref, cand, pert, policy)
+        cmp_s = time.perf_counter() - t0
+        gb = nbytes / 1e9
+        out[label] = {"layers": layers, "bytes": nbytes, "tensors": len(res.results), "verdict": res.verdict,
+                      "raw_read_s": raw_s, "load_s": load_s, "compare_total_s": cmp_s,
+                      "raw_gb_s": gb / raw_s, "compare_gb_s": gb / cmp_s, "ratio": raw_s / cmp_s,
+                      "s_per_gb": cmp_s / gb}
+    return out
+
+
+def end_to_end(tmp: Path) -> dict[str, Any]:
+    import ray
+
+    from orchestrator.check import run_check
+    from orchestrator.recipe import compose
+
+    rec = compose(["store.url=" + str(tmp / "e2e-store")])   # fresh store: the reference cache misses
+    res = run_check(rec, tmp / "e2e-out", base_dir=str(tmp))
+    ray.shutdown()
+    t = res.report["timings"]
+    jobs = t.get("jobs", {})
+    return {"verdict": res.verdict, "timings": t, "jobs_sum_s": sum(jobs.values()),
+            "jobs_max_s": max(jobs.values(), default=0.0),
+            "total_over_jobs_max": t["total"] / max(jobs.values(), default=float("nan")),
+            "total_over_jobs_sum": t["total"] / (sum(jobs.values()) or float("nan"))}
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = ["tracer overhead (single rank, gloo, CPU; steps after the first)",
+             f"{'model':<13}{'step off ms':>12}{'step on ms':>12}{'step x':>8}{'wall x':>8}"
+             f"{'RSS off MB':>11}{'RSS on MB':>10}{'RSS x':>7}{'trace MB/step':>15}"]
+    for m, o in r.get("overhead", {}).items():
+        lines.append(f"{m:<13}{o['off']['step_median_s'] * 1e3:>12.1f}{o['on']['step_median_s'] * 1e3:>12.1f}"
+                     f"{o['step_ratio_median']:>8.2f}{o['wall_ratio']:>8.2f}{o['off']['peak_rss_mb']:>11.0f}"
+                     f"{o['on']['peak_rss_mb']:>10.0f}{o['rss_ratio']:>7.2f}"
+                     f"{o['trace_bytes_per_step'] / 1e6:>15.2f}")
+    lines += ["", "comparison (reference + 3 perturbed + candidate, local store)",
+              f"{'size':<5}{'layers':>7}{'MB':>8}{'tensors':>8}{'raw GB/s':>10}{'load s':>8}{'compare s':>10}"
+              f"{'cmp GB/s':>9}{'ratio':>7}{'s/GB':>8}"]
+    for s, c in r.get("scaling", {}).items():
+        lines.append(f"{s:<5}{c['layers']:>7}{c['bytes'] / 1e6:>8.1f}{c['tensors']:>8}{c['raw_gb_s']:>10.2f}"
+                     f"{c['load_s']:>8.2f}{c['compare_total_s']:>10.2f}{c['compare_gb_s']:>9.3f}"
+                     f"{c['ratio']:>7.3f}{c['s_per_gb']:>8.1f}")
+    if "e2e_error" in r:
+        lines += ["", f"demo check end to end: not measured ({r['e2e_error'][:200]})"]
+    if "e2e" in r:
+        e, t = r["e2e"], r["e2e"]["timings"]
+        jobs = ", ".join(f"{k} {v:.1f}" for k, v in t.get("jobs", {}).items())
+        lines += ["", f"demo check end to end ({e['verdict']}), seconds",
+                  f"ray_start {t.get('ray_start', 0):.1f}  jobs_wall {t.get('jobs_wall', 0):.1f}  "
+                  f"compare {t.get('compare', 0):.1f}  tracking {t.get('tracking', 0):.1f}  "
+                  f"total {t['total']:.1f}",
+                  f"jobs: {jobs}",
+                  f"total / longest job {e['total_over_jobs_max']:.2f}   "
+                  f"total / sum of jobs {e['total_over_jobs_sum']:.2f}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--only-e2e", action="store_true",
+                    help="measure only the demo check and add it to the existing bench/perf.json")
+    args = ap.parse_args()
+    result: dict[str, Any] = {"cpus": mp.cpu_count(), "steps": args.steps}
+    if args.only_e2e and OUT.exists():
+        result = json.loads(OUT.read_text())
+        result.pop("e2e_error", None)
+    with tempfile.TemporaryDirectory(prefix="ttrace-perf-") as d:
+        tmp = Path(d)
+        if not args.only_e2e:
+            result["overhead"] = overhead(args.steps, tmp)
+            OUT.write_text(json.dumps(result, indent=1, default=str))   # partial results survive a failure
+            result["scaling"] = compare_scaling(tmp)
+            OUT.write_text(json.dumps(result, indent=1, default=str))
+        if not args.skip_e2e:
+            try:
+                result["e2e"] = end_to_end(tmp)
+            except Exception as e:   # e.g. Ray failing to start on an overloaded machine
+                result["e2e_error"] = f"{type(e).__name__}: {e}"
+    OUT.write_text(json.dumps(result, indent=1, default=str))
+    print(table(result))
+    print(f"\nwrote {OUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
