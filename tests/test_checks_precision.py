@@ -31,8 +31,8 @@ def test_fp8_delayed_scaling_clean_passes_and_unreduced_amax_is_caught(ray_clust
     from orchestrator.check import run_checks
     from orchestrator.recipe import compose
 
-    common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false", "localize=false",
-              f"cluster.address={ray_cluster}", *SMALL]
+    common = ["parallel=tp2", "precision=fp8", "precision.scaling=delayed", "tracking.enabled=false",
+              "localize=false", f"cluster.address={ray_cluster}", *SMALL]
     clean, buggy = run_checks([(compose(common), workdir / "clean"),
                                (compose([*common, "bug=fp8_amax_unreduced"]), workdir / "bug")],
                               base_dir=str(workdir))

@@ -39,9 +39,10 @@ def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
     prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
     if len(set(prints.values())) > 1:
         odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
-        raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe than "
-                         f"rank {ranks[0].rank} (fingerprints {sorted(set(map(str, prints.values())))}); the run "
-                         "directory mixes runs, rerun the job into a fresh store path")
+        seen = sorted(set(map(str, prints.values())))
+        raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
+                         f"than rank {ranks[0].rank} (fingerprints {seen}); "
+                         "the run directory mixes runs, rerun the job into a fresh store path")
     pieces: dict[str, list[Piece]] = {}
     info: dict[str, dict[str, Any]] = {}
     for rt in ranks:

@@ -12,7 +12,7 @@ lazily: a framework's library is an optional extra and only its own recipes need
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -56,3 +56,24 @@ def refuse_isolation(spec: Mapping[str, Any]) -> None:
     if (spec.get("trace") or {}).get("isolate"):
         raise ConfigError(f"framework={name(spec)}: the isolation pass (localize) is not wired for this "
                           "framework yet; the first divergence stands (localize=false skips it)")
+
+
+def start_rank(spec: Mapping[str, Any], world_size: int,
+               validate: Callable[[Mapping[str, Any]], None]) -> Any:
+    """The opening every adapter's `run_rank` shares: validate the recipe, refuse an isolated job
+    (for adapters without SUPPORTS_ISOLATION), check the job's world size, one compute thread per
+    rank (ranks share the node's cores). Returns the parsed workloads.config.Config."""
+    import torch
+
+    from workloads.config import parse
+
+    validate(spec)
+    refuse_isolation(spec)
+    cfg = parse(spec)
+    p = cfg.parallel
+    if p.world_size != world_size:
+        raise ConfigError(f"parallel={p.name} declares world_size={p.world_size} "
+                          f"but the job has {world_size} ranks")
+    torch.set_num_threads(1)
+    return cfg
+

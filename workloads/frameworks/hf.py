@@ -33,7 +33,7 @@ import torch.distributed as dist
 from tracer import ConfigError, full_tensor, perturb_ulp
 from workloads import bugs
 from workloads.config import Config, parse
-from workloads.frameworks import refuse_isolation
+from workloads.frameworks import start_rank
 from workloads.frameworks.torch_native import train
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
@@ -122,17 +122,11 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
     from tracer.frameworks.dtensor import DTensorTracer
     from tracer.frameworks.hf import tp_local_layouts
 
-    validate(spec)
+    t0 = time.perf_counter()
     # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
     # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
-    refuse_isolation(spec)
-    cfg = parse(spec)
+    cfg = start_rank(spec, world_size, validate)
     p = cfg.parallel
-    if p.world_size != world_size:
-        raise ConfigError(f"parallel={p.name} declares world_size={p.world_size} "
-                          f"but the job has {world_size} ranks")
-    t0 = time.perf_counter()
-    torch.set_num_threads(1)
     # transformers reads the torchrun variables when it builds its device mesh.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
