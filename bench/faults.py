@@ -98,14 +98,17 @@ class Suite:
 
     def run(self, name: str, overrides: list[str], expect: set[int], bound_s: float, *,
             cwd: Path | None = None, on_start: Callable[[subprocess.Popen], None] | None = None,
-            note: str = "", report: bool = True) -> Outcome:
+            note: str = "", report: bool = True, must: str = "") -> Outcome:
+        """`must`: text the error has to contain, so a fault that ends in exit 2 for another reason
+        (e.g. the job never got scheduled) does not count as survived."""
         cwd = cwd or self.work
         code, out, err, secs = self.ttrace(*overrides, timeout=bound_s + 60, cwd=cwd, on_start=on_start)
         lost, reports = self.lost(out, cwd)
         lines = (err if code == 2 else out).strip().splitlines() or [""]
         msg = (lines[-1] if code == 2 else lines[0])[:200]
         o = Outcome(name, "|".join(map(str, sorted(expect))), code, secs, bound_s,
-                    code in expect and secs <= bound_s and (bool(reports) or not report), lost,
+                    code in expect and secs <= bound_s and (bool(reports) or not report)
+                    and must in (err if code == 2 else out), lost,
                     (note + " " if note else "") + msg, reports)
         self.add(o)
         print(f"  {name:<28} exit {code}  {secs:6.1f}s  {'ok' if o.survived else 'NOT SURVIVED'}"
@@ -164,10 +167,12 @@ def baseline(s: Suite) -> None:
 
 
 def job_faults(s: Suite) -> None:
-    s.run("rank raises", [*BASE, "fault.kind=raise", "fault.rank=1", "fault.step=1"], {2}, 300)
-    s.run("rank killed mid-step", [*BASE, "fault.kind=exit", "fault.rank=1", "fault.step=1"], {2}, 300)
+    s.run("rank raises", [*BASE, "fault.kind=raise", "fault.rank=1", "fault.step=1"], {2}, 300,
+          must="rank 1 raised")
+    s.run("rank killed mid-step", [*BASE, "fault.kind=exit", "fault.rank=1", "fault.step=1"], {2}, 300,
+          must="rank 1's worker process died")
     s.run("rank hangs in collective", [*BASE, "fault.kind=hang", "fault.rank=0", "fault.step=1",
-                                       "timeout_s=40"], {2}, 40 + 180)
+                                       "timeout_s=40"], {2}, 40 + 180, must="timed out")
 
 
 def nan_fault(s: Suite) -> None:
