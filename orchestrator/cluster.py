@@ -98,9 +98,10 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                               f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
                               "larger cluster (cluster.address)")
     notify = (lambda: on_change(jobs)) if on_change else (lambda: None)
+    reserve = lambda job: placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
     running: dict[int, tuple[Job, Any, list[ray.ObjectRef], float | None]] = {}
     for i, job in enumerate(jobs):
-        pg = placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
+        pg = reserve(job)
         job.state = "queued"
         running[i] = (job, pg, [], None)
     notify()
@@ -136,8 +137,7 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                         remove_placement_group(pg)
                         job.relaunches += 1
                         job.state = "queued"
-                        running[key] = (job, placement_group([dict(bundle) for _ in range(job.world_size)],
-                                                             strategy="PACK"), [], None)
+                        running[key] = (job, reserve(job), [], None)
                         continue
                     job.error = error
                     _finish(running, key, cancel=True)
