@@ -1,5 +1,6 @@
 """Store round-trip, integrity checks, and the comparison stage on hand-built traces (no Ray)."""
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -134,6 +135,21 @@ def test_corrupted_part_is_an_error(traces):
     data[-1] ^= 0xFF
     part.write_bytes(bytes(data))
     with pytest.raises(TraceError, match="checksum"):
+        load(traces, "reference")
+
+
+def test_a_part_with_a_matching_checksum_but_a_broken_header_is_an_error(traces):
+    """Written by something other than ttrace (the manifest was rewritten to match): still an error."""
+    rank = traces / "reference" / "rank00000"
+    part = next(rank.glob("part-*.safetensors"))
+    data = bytearray(part.read_bytes())
+    data[8:12] = b'{"x"'   # the JSON header no longer parses
+    part.write_bytes(bytes(data))
+    manifest = json.loads((rank / "manifest.json").read_text())
+    entry = next(f for f in manifest["files"] if f["file"] == part.name)
+    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    (rank / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="not a valid safetensors file"):
         load(traces, "reference")
 
 

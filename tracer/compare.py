@@ -14,8 +14,9 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.measure import TensorKey, measure
 from tracer.store import read_run
-from tracer.tolerance import TolerancePolicy, elem_err, elem_noise, noise_scale, unit_roundoff
+from tracer.tolerance import TolerancePolicy, unit_roundoff
 
 KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
 
@@ -29,7 +30,7 @@ class LogicalTrace:
     meta: dict[str, Any]
     order: list[str]                    # canonical names in execution order
     info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
-    tensors: dict[str, Assembled]
+    tensors: dict[str, Assembled]       # in the traced dtype; fp8 scaled and partial sums in float64
 
 
 def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
@@ -55,7 +56,8 @@ def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
                     raise TraceError(f"run '{run}' rank {rt.rank}: tensor '{key}' is not in the manifest")
                 seen.add(key)
                 scale = float(e.get("scale", 1.0))
-                t = t.double() * scale if scale != 1.0 else t.double()
+                if scale != 1.0:   # fp8 payload with its per-tensor scale: exact in float64
+                    t = t.double() * scale
                 pieces.setdefault(e["name"], []).append(Piece(coords, t, rt.rank))
                 if e["name"] not in info or rt.rank < info[e["name"]]["rank"]:
                     info[e["name"]] = dict(e, rank=rt.rank)
@@ -142,19 +144,6 @@ def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
     return float((c.flatten() @ r.flatten()).item() / (nc * nr))
 
 
-def _explained_by_grad(r: torch.Tensor, c: torch.Tensor, ps: Sequence[torch.Tensor], c_dg: torch.Tensor,
-                       p_dg: torch.Tensor, k: float) -> torch.Tensor | None:
-    """Param elements whose candidate error is within k x (gain x the candidate's grad deviation),
-    gain = max_r |p_r - r| / max_r |g_r - g| per element (0 where the perturbed grads did not move)."""
-    if not ps or c.shape != r.shape or c_dg.shape != r.shape:
-        return None
-    r64 = r.double()
-    dp = torch.stack([(p.double() - r64).abs() for p in ps]).amax(0)
-    gain = torch.where(p_dg > 0, dp / p_dg.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(dp))
-    diff = (c.double() - r64).abs()
-    return (diff > 0) & (c_dg > 0) & (diff <= k * gain * c_dg)
-
-
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else float("inf")
 
@@ -180,93 +169,71 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         if lost:
             raise TraceError(f"perturbed reference '{p.run}' lacks {len(lost)} tensors (e.g. {lost[:3]})")
 
+    # A tensor that differs in shape or dtype means the runs do not match: say so before measuring.
+    for name in reference.order:
+        c, r = candidate.tensors[name].tensor, reference.tensors[name].tensor
+        if c.shape != r.shape:
+            raise TraceError(f"{name}: candidate reassembles to shape {tuple(c.shape)} but the reference has "
+                             f"{tuple(r.shape)}: the runs do not match or a layout is declared wrong")
+        c_dtype, r_dtype = candidate.info[name].get("dtype"), reference.info[name].get("dtype")
+        if c_dtype and r_dtype and c_dtype != r_dtype:
+            raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {r_dtype}: "
+                             "the runs use different precision recipes; compare runs of the same recipe")
+        for p in perturbed:
+            if p.tensors[name].tensor.shape != r.shape:
+                raise TraceError(f"{name}: perturbed reference '{p.run}' has shape "
+                                 f"{tuple(p.tensors[name].tensor.shape)}, the reference {tuple(r.shape)}; "
+                                 "the reference set is inconsistent, recompute it")
+
+    # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
+    # (as measured on this or an earlier step's param_grad) may step either way under any honest
+    # reordering, so the post-step `param` is judged on the other elements. A post-step parameter
+    # also inherits its gradient's error through the optimizer, whose per-element gain |dp/dg| is
+    # huge where |g| is near Adam's eps: elements whose candidate error is explained by the
+    # candidate's own (accepted) gradient deviation times the gain measured on the perturbed runs
+    # are judged at the param_grad, not again here. Both live in tracer.measure.
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+    keys = [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]))
+            for n in reference.order]
+    stats = measure(keys, {n: a.tensor for n, a in reference.tensors.items()},
+                    {n: a.tensor for n, a in candidate.tensors.items()},
+                    [{n: a.tensor for n, a in p.tensors.items()} for p in perturbed], policy.k_elem)
+    for name in reference.order:
+        if stats[name].ref_nonfinite:
+            raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
+                             "even on one device, fix it before comparing")
+        if stats[name].perturbed_nonfinite:
+            raise TraceError(f"{name}: a perturbed reference run has non-finite values where the reference "
+                             "has none; the recipe is unstable under a one-ulp weight change, so no "
+                             "tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
+
     # Noise is pooled over the microbatches of a step: the same module and kind computed on
     # exchangeable data, so R perturbed runs give R * microbatches draws of the same noise process
     # (quantization noise is heavy-tailed: a few draws can land unluckily small).
     family = lambda n: (reference.info[n]["step"], reference.info[n]["module"], reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, float]] = {}
-    own: dict[str, tuple[float, float]] = {}
-    # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
-    # (as measured on this step's param_grad) may step either way under any honest reordering, so
-    # the post-step `param` is judged on the other elements; such elements accumulate over steps.
-    undetermined: dict[str, torch.Tensor] = {}
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-
-    def judged(name: str, t: torch.Tensor) -> torch.Tensor:
-        m = undetermined.get(path(name)) if reference.info[name]["kind"] == "param" else None
-        return t if m is None or m.shape != t.shape else t[~m]
-
-    # A post-step parameter inherits its gradient's error through the optimizer, whose per-element
-    # gain |dp/dg| is huge where |g| is near Adam's eps (lr * eps / (|g| + eps)**2). Elements whose
-    # candidate error is explained by the candidate's own (accepted) gradient deviation times the gain
-    # measured on the perturbed runs are judged at the param_grad, not again here.
-    grad_dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # path -> (candidate, perturbed) |dg|
-
     for name in reference.order:
-        e = reference.info[name]
-        u = unit_roundoff(e["dtype"])
-        if e["kind"] == "param" and path(name) in grad_dev and name in candidate.tensors:
-            explained = _explained_by_grad(reference.tensors[name].tensor, candidate.tensors[name].tensor,
-                                           [p.tensors[name].tensor for p in perturbed], *grad_dev[path(name)],
-                                           policy.k_elem)
-            if explained is not None:
-                prev = undetermined.get(path(name))
-                undetermined[path(name)] = explained if prev is None or prev.shape != explained.shape else (
-                    prev | explained)
-        r = judged(name, reference.tensors[name].tensor)
-        ps = [judged(name, p.tensors[name].tensor) for p in perturbed]
-        own[name] = (max((rel_err(p, r) for p in ps), default=0.0), max(elem_noise(ps, r, u), default=0.0))
         f = pooled.get(family(name), (0.0, 0.0))
-        pooled[family(name)] = (max(f[0], own[name][0]), max(f[1], own[name][1]))
-        if e["kind"] == "param_grad" and ps and r.numel():
-            env = torch.stack([(p - r).abs() for p in ps]).amax(0)
-            near_zero = r.abs() <= policy.k_elem * (env + (own[name][0] + u) * r.square().mean().sqrt())
-            prev = undetermined.get(path(name))
-            undetermined[path(name)] = near_zero if prev is None or prev.shape != r.shape else (
-                prev | near_zero)
-            c = candidate.tensors[name].tensor if name in candidate.tensors else None
-            if c is not None and c.shape == r.shape:
-                grad_dev[path(name)] = ((c.double() - r.double()).abs(),
-                                        torch.stack([(p.double() - r.double()).abs() for p in ps]).amax(0))
+        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise))
 
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
     for index, name in enumerate(reference.order):
-        e = reference.info[name]
-        r = reference.tensors[name].tensor
-        got = candidate.tensors[name]
-        c = got.tensor
-        if c.shape != r.shape:
-            raise TraceError(f"{name}: candidate reassembles to shape {tuple(c.shape)} but the reference has "
-                             f"{tuple(r.shape)}: the runs do not match or a layout is declared wrong")
-        c_dtype = candidate.info[name].get("dtype")
-        if c_dtype and e.get("dtype") and c_dtype != e["dtype"]:
-            raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {e['dtype']}: "
-                             "the runs use different precision recipes; compare runs of the same recipe")
-        if not torch.isfinite(r).all():
-            raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
-                             "even on one device, fix it before comparing")
+        e, st, got = reference.info[name], stats[name], candidate.tensors[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        nonfinite = int((~torch.isfinite(c)).sum().item())
         noise, e_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
-        u = unit_roundoff(e["dtype"])
-        full_c = c
-        r, c = judged(name, r), judged(name, c)
-        ps = [judged(name, p.tensors[name].tensor) for p in perturbed]
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
             step=e["step"], microbatch=e["microbatch"], index=index,
-            rel_err=_finite(rel_err(c, r)), max_err=_finite(max_err(c, r)), cosine=cosine(c, r),
-            excused=full_c.numel() - c.numel(),
-            nonfinite=nonfinite, replica_err=_finite(got.replica_err), tolerance=tol,
-            noise=own[name][0],
-            max_noise=max((max_err(p, r) for p in ps), default=0.0),
+            rel_err=_finite(st.rel_err), max_err=_finite(st.max_err), cosine=st.cosine, excused=st.excused,
+            nonfinite=st.nonfinite, replica_err=_finite(got.replica_err), tolerance=tol,
+            noise=st.noise, max_noise=st.max_noise,
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
-            elem_err=_finite(elem_err(c, r, noise_scale(ps, r, u))), elem_noise=own[name][1],
+            elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]))
-        if nonfinite:
-            res.ok, res.reason = False, f"{nonfinite} non-finite values"
+        if res.nonfinite:
+            res.ok, res.reason = False, f"{res.nonfinite} non-finite values"
         elif res.rel_err > tol:
             res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"
         elif res.elem_err > res.elem_tolerance:

@@ -127,6 +127,8 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         if ax not in sizes:
             raise TraceError(f"{name}: layout uses mesh axis '{ax}' which the run does not have")
     key_axes = layout.axes
+    if len(pieces) == 1 and all(sizes[a] == 1 for a in key_axes):   # a single-rank run: nothing to do
+        return Assembled(tensor=pieces[0].tensor, ranks=[pieces[0].rank])
     groups: dict[tuple[int, ...], list[Piece]] = {}
     for p in sorted(pieces, key=lambda p: p.rank):
         groups.setdefault(tuple(p.coords.get(a, 0) for a in key_axes), []).append(p)
@@ -154,16 +156,13 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         raise TraceError(f"{name}: expected {expected} distinct shards over {key_axes}, found {len(chosen)} "
                          f"(coordinates present: {have}); a rank's trace is missing")
 
-    # Partial axes: sum (in float64 so the reassembly adds no rounding of its own).
+    # Partial axes: sum in float64 and keep it, so the reassembly adds no rounding of its own.
     n_shard = len(layout.shard)
     summed: dict[tuple[int, ...], torch.Tensor] = {}
     for key, t in chosen.items():
         skey = key[:n_shard]
         acc = t.double() if layout.partial else t
         summed[skey] = summed[skey] + acc if skey in summed else acc
-    if layout.partial:
-        dtype = next(iter(chosen.values())).dtype
-        summed = {k: v.to(dtype) for k, v in summed.items()}
 
     # Sharded axes: concatenate innermost spec first.
     current = summed

@@ -1,0 +1,100 @@
+"""The chunked comparison (tracer.measure) equals the per-tensor definitions it vectorizes."""
+
+import math
+
+import pytest
+import torch
+
+from tracer.compare import cosine, max_err, rel_err
+from tracer.measure import BLOCK, TensorKey, measure
+from tracer.tolerance import elem_err, elem_noise, noise_scale
+
+K_ELEM = 6.0
+U = 2.0**-24
+
+
+def _oracle(keys, ref, cand, perts):
+    """One tensor at a time, in float64, straight from the definitions (causal Adam excusal)."""
+    masks, grad_dev, out = {}, {}, {}
+
+    def add(path, m):
+        masks[path] = m if path not in masks else masks[path] | m
+
+    for k in keys:
+        r, c = ref[k.name].double().flatten(), cand[k.name].double().flatten()
+        ps = [p[k.name].double().flatten() for p in perts]
+        if k.kind == "param" and k.path in grad_dev and ps:
+            c_dg, p_dg = grad_dev[k.path]
+            dp = torch.stack([(p - r).abs() for p in ps]).amax(0)
+            gain = torch.where(p_dg > 0, dp / p_dg, torch.zeros_like(dp))
+            diff = (c - r).abs()
+            add(k.path, (diff > 0) & (c_dg > 0) & (diff <= K_ELEM * gain * c_dg))
+        full_c = c
+        if k.kind == "param" and k.path in masks:
+            keep = ~masks[k.path]
+            r, c, ps = r[keep], c[keep], [p[keep] for p in ps]
+        nu = max((rel_err(p, r) for p in ps), default=0.0)
+        out[k.name] = {
+            "rel_err": rel_err(c, r), "max_err": max_err(c, r), "cosine": cosine(c, r),
+            "nonfinite": int((~torch.isfinite(full_c)).sum()), "noise": nu,
+            "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),
+            "max_noise": max((max_err(p, r) for p in ps), default=0.0),
+            "elem_err": elem_err(c, r, noise_scale(ps, r, k.unit)), "excused": full_c.numel() - c.numel()}
+        if k.kind == "param_grad" and ps and r.numel():
+            env = torch.stack([(p - r).abs() for p in ps]).amax(0)
+            add(k.path, r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt()))
+            grad_dev[k.path] = ((c - r).abs(), env)
+    return out
+
+
+def _traces(n_perturbed: int):
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    sizes = {"a/output": (0,), "b/output": (1,), "c/output": (BLOCK - 1,), "d/output": (BLOCK,),
+             "e/output": (3, BLOCK + 1), "zero/output": (40,), "big/output": (50, 70)}
+    keys, ref = [], {}
+    for name, shape in sizes.items():
+        keys.append(TensorKey(f"0/0/{name}", "output", name, U))
+        ref[keys[-1].name] = torch.zeros(shape) if name.startswith("zero") else rnd(*shape)
+    for step in range(2):   # a parameter over two steps: its gradient, then its post-step value
+        for kind in ("param_grad", "param"):
+            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U))
+            t = rnd(300) * (1e-3 if kind == "param_grad" else 1.0)
+            t[::7] *= 1e-6   # gradient elements within noise of zero: excused at the param
+            ref[keys[-1].name] = t
+    noise = lambda t, s: t + s * t.abs().clamp_min(1e-3) * rnd(*t.shape)
+    perts = [{n: noise(t, 1e-6) for n, t in ref.items()} for _ in range(n_perturbed)]
+    cand = {n: noise(t, 2e-6) for n, t in ref.items()}
+    cand["0/0/e/output"][1, 5] = float("nan")        # counted, and kept out of the other figures
+    cand["0/0/big/output"][7, 3] += 1.0              # one corrupted element
+    cand["1/-/w/param"][::7] += 0.5                  # error only on excused elements
+    return keys, ref, cand, perts
+
+
+@pytest.mark.parametrize("n_perturbed", [0, 1, 3])
+@pytest.mark.parametrize("chunk_elems", [200, 1 << 18])
+def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_elems):
+    keys, ref, cand, perts = _traces(n_perturbed)
+    got = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=chunk_elems)
+    want = _oracle(keys, ref, cand, perts)
+    for k in keys:
+        for field, w in want[k.name].items():
+            g = getattr(got[k.name], field)
+            if isinstance(w, float) and math.isnan(w):
+                assert math.isnan(g), (k.name, field)
+            else:
+                assert g == pytest.approx(w, rel=1e-5, abs=1e-12), (k.name, field, g, w)
+    if n_perturbed:   # the excusal did something, and the injected faults show
+        assert got["1/-/w/param"].excused > 0 and got["1/-/w/param"].rel_err < 1e-3
+        assert got["0/0/big/output"].elem_err > 1e3
+    assert got["0/0/e/output"].nonfinite == 1
+
+
+def test_non_finite_reference_and_perturbed_values_are_counted():
+    keys, ref, cand, perts = _traces(2)
+    ref["0/0/d/output"][3] = float("inf")
+    perts[1]["0/0/c/output"][0] = float("nan")
+    got = measure(keys, ref, cand, perts, K_ELEM)
+    assert got["0/0/d/output"].ref_nonfinite == 1
+    assert got["0/0/c/output"].perturbed_nonfinite == 1
+    assert got["0/0/b/output"].ref_nonfinite == got["0/0/b/output"].perturbed_nonfinite == 0
