@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/python -m orchestrator.demo
 
 test: setup chromium
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=12 tests
 
 # Headless Chromium renders report.html in the tests (installed from Debian packages when missing).
 chromium:

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from orchestrator.cli import report_paths  # noqa: E402
+from orchestrator.cluster import free_port, rank_worker_pids  # noqa: E402
 
 OUT = ROOT / "bench" / "faults.json"
 TTRACE = str(ROOT / ".venv" / "bin" / "ttrace")
@@ -82,8 +84,7 @@ class Suite:
         """Reports named on stdout that are missing, or completed without their MLflow run."""
         import mlflow
 
-        paths = [cwd / line.removeprefix("report: ").strip() for line in stdout.splitlines()
-                 if line.startswith("report: ")]
+        paths = report_paths(stdout, cwd)
         mlflow.set_tracking_uri(f"sqlite:///{cwd}/mlflow.db")
         runs = {r.info.run_id for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
         lost = 0
@@ -121,26 +122,12 @@ class Suite:
         print(f"  {name:<28} {'ok' if survived else 'NOT SURVIVED'}  {detail[:150]}", flush=True)
 
 
-def _ray_rank_pids() -> list[int]:
-    """PIDs of this cluster's rank workers: descendants of this process (it started Ray)."""
-    import psutil
-
-    pids = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.cmdline() and p.cmdline()[0].startswith("ray::_rank"):
-                pids.append(p.pid)
-        except psutil.Error:
-            pass
-    return pids
-
-
 def _when_ranks_run(action: Callable[[], None], n: int = 2, delay: float = 2.0, limit: float = 300):
     """on_start hook: once n rank workers run (the candidate's, on a cache hit), wait, then act."""
     def hook(proc: subprocess.Popen) -> None:
         t0 = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < limit:
-            if len(_ray_rank_pids()) >= n:
+            if len(rank_worker_pids()) >= n:
                 time.sleep(delay)
                 action()
                 return
@@ -148,21 +135,14 @@ def _when_ranks_run(action: Callable[[], None], n: int = 2, delay: float = 2.0, 
     return hook
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- the faults --------------------------------------------------------------------------------------
 
 def baseline(s: Suite) -> None:
     """A clean check: fills the reference cache and gives a complete trace to damage later."""
     code, out, err, secs = s.ttrace(*BASE)
-    path = s.work / out.strip().splitlines()[-1].removeprefix("report: ")
     if code != 0:
         raise SystemExit(f"baseline check did not pass (exit {code}): {err[-2000:]}")
-    s.base_report = json.loads(path.read_text())
+    s.base_report = json.loads(report_paths(out, s.work)[-1].read_text())
     print(f"  baseline (clean, pass)       {secs:6.1f}s", flush=True)
 
 
@@ -183,7 +163,7 @@ def worker_lost(s: Suite) -> None:
     # The candidate's rank 0 hangs (timeout 300 s) so the kill lands while the job runs; the check
     # must end in exit 2 long before that timeout.
     def kill() -> None:
-        pids = _ray_rank_pids()
+        pids = rank_worker_pids()
         if pids:
             os.kill(pids[0], signal.SIGKILL)
     s.run("Ray worker lost (kill -9)", [*BASE, "fault.kind=hang", "fault.rank=0", "fault.step=0",
@@ -276,7 +256,7 @@ def s3_faults(s: Suite) -> None:
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port("127.0.0.1")
     s.run("S3 endpoint unreachable", [*BASE, "store=s3", "store.url=s3://nowhere/runs",
                                       f"store.endpoint_url=http://127.0.0.1:{port}"], {2}, 120)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

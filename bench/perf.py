@@ -18,7 +18,6 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,12 +32,6 @@ OUT = ROOT / "bench" / "perf.json"
 MODELS = {"gpt_tiny": [], "gpt_tiny_4x": ["model.hidden=128", "model.ffn_hidden=512"]}
 SCALES = {"1x": 2, "4x": 8, "16x": 32}   # model.layers: trace size grows linearly with depth
 R = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spec(overrides: list[str], store: str, run: str, *, trace: bool = True,
@@ -74,6 +67,7 @@ class _TimedTracer:
 
 def _train(specs: list[dict[str, Any]], q: Any) -> None:
     """Child process: run each single-rank job in turn; report step times, wall and peak RSS."""
+    from orchestrator.cluster import free_port
     from workloads import train
 
     out = []
@@ -81,7 +75,7 @@ def _train(specs: list[dict[str, Any]], q: Any) -> None:
         times: list[float] = []
         factory = lambda cfg, ps, times=times: _TimedTracer(train._default_tracer(cfg, ps), times)
         t0 = time.perf_counter()
-        train.run_rank(spec, 0, 1, "127.0.0.1", _free_port(), tracer_factory=factory)
+        train.run_rank(spec, 0, 1, "127.0.0.1", free_port("127.0.0.1"), tracer_factory=factory)
         out.append({"steps": times, "wall": time.perf_counter() - t0})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 

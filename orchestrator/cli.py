@@ -55,10 +55,20 @@ def _check(cfg: DictConfig) -> None:
     _emit(run_check(to_dict(cfg), out, base_dir=_base_dir[0]))
 
 
+REPORT_LINE = "report: "   # one stdout line per check, naming its report.json (scripts read it)
+
+
+def report_paths(stdout: str, cwd: Path | None = None) -> list[Path]:
+    """The report.json of every check a `ttrace` run printed (relative paths resolved from cwd)."""
+    paths = [Path(ln.removeprefix(REPORT_LINE).strip()) for ln in stdout.splitlines()
+             if ln.startswith(REPORT_LINE)]
+    return [cwd / p if cwd is not None else p for p in paths]
+
+
 def _emit(result: CheckResult) -> None:
     _results.append(result)
     print(_summary(result), file=sys.stderr if result.verdict == "error" else sys.stdout, flush=True)
-    print(f"report: {result.report_path}", flush=True)
+    print(f"{REPORT_LINE}{result.report_path}", flush=True)
 
 
 def main() -> None:

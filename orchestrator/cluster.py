@@ -50,12 +50,32 @@ def ensure_ray(cluster: dict[str, Any]) -> float:
     return time.perf_counter() - t0
 
 
+def free_port(host: str = "") -> int:
+    """A port free on this node right now (another process may still take it: see _port_race)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rank_worker_pids() -> list[int]:
+    """PIDs of the rank workers of a local cluster this process started (its descendants running a
+    `_rank` task): for fault injection in tests and benchmarks."""
+    import psutil
+
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.cmdline() and p.cmdline()[0].startswith("ray::_rank"):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
+
+
 @ray.remote(num_cpus=0)
 def _rendezvous() -> tuple[str, int]:
     """Address and a free port on the node of rank 0, for torch.distributed's TCP store."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port()
 
 
 @ray.remote(max_retries=0)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from orchestrator.cli import REPORT_LINE, report_paths
 
 BUG = "sp_layernorm_grad_unreduced"
 
@@ -23,8 +24,7 @@ def main() -> int:
     cmd = [sys.executable, "-m", "orchestrator.cli", "-m", "parallel=tp2_sp", f"bug=none,{BUG}"]
     console.print(f"[bold]ttrace demo[/]: {' '.join(['ttrace', *cmd[3:]])}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    reports = [Path(line.removeprefix("report: ")) for line in proc.stdout.splitlines()
-               if line.startswith("report: ")]
+    reports = report_paths(proc.stdout)
     if len(reports) != 2:
         console.print(proc.stdout[-4000:], proc.stderr[-4000:], markup=False)
         console.print(f"[red]demo failed: expected two reports, got {len(reports)} (exit {proc.returncode})")
@@ -46,7 +46,7 @@ def main() -> int:
                       f"{rep['timings'].get('total', 0):.1f}")
     console.print(table)
     for path in reports:
-        print(f"report: {path}")
+        print(f"{REPORT_LINE}{path}")
     console.print("Browse both checks in MLflow: [bold]make ui[/] then open http://127.0.0.1:5000")
 
     clean, buggy = verdicts.get("none"), verdicts.get(BUG)

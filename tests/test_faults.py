@@ -12,7 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
+from orchestrator.cli import report_paths
+from orchestrator.cluster import rank_worker_pids
 
 SMALL = ["parallel=tp2", "model.layers=2", "tolerance.perturbations=2"]
 
@@ -24,19 +25,6 @@ def _ttrace(cwd: Path, *overrides: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _reports(stdout: str, cwd: Path) -> list[Path]:
-    return [cwd / ln.removeprefix("report: ") for ln in stdout.splitlines() if ln.startswith("report: ")]
-
-
-def _rank_workers() -> int:
-    """Rank tasks running on the session's Ray cluster (started by this process: its descendants)."""
-    n = 0
-    for p in psutil.Process().children(recursive=True):
-        try:
-            n += bool(p.cmdline()) and p.cmdline()[0].startswith("ray::_rank")
-        except psutil.Error:
-            pass
-    return n
 
 
 def test_s3_endpoint_going_away_mid_write_is_an_error_not_a_pass(ray_cluster, workdir):
@@ -52,13 +40,13 @@ def test_s3_endpoint_going_away_mid_write_is_an_error_not_a_pass(ray_cluster, wo
                    "store.connect_timeout=2", "store.read_timeout=5", "store.max_attempts=2",
                    f"cluster.address={ray_cluster}")
     deadline = time.monotonic() + 120
-    while proc.poll() is None and _rank_workers() == 0 and time.monotonic() < deadline:
+    while proc.poll() is None and not rank_worker_pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)
     server.stop()   # the endpoint disappears while the jobs run and write their traces
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 2, out[-2000:] + err[-3000:]
-    (report,) = _reports(out, workdir)
+    (report,) = report_paths(out, workdir)
     rep = json.loads(report.read_text())
     assert rep["verdict"] == "error" and rep["error"], rep.get("error")
 
@@ -87,7 +75,7 @@ def test_two_sweeps_on_one_store_both_get_correct_verdicts(ray_cluster, workdir)
     for i, d in enumerate(dirs):
         out, err = outs[i]
         assert procs[i].returncode == 1, out[-2000:] + err[-3000:]
-        reps = [json.loads(p.read_text()) for p in _reports(out, d)]
+        reps = [json.loads(p.read_text()) for p in report_paths(out, d)]
         assert sorted((r["recipe"]["bug"]["name"], r["verdict"]) for r in reps) == [
             ("none", "pass"), ("row_parallel_bias_per_rank", "fail")]
         assert all(r["mlflow_run_id"] in logged for r in reps)

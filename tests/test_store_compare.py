@@ -202,3 +202,32 @@ def test_runs_of_different_dtypes_are_an_error(traces):
     cand.info[name] = dict(cand.info[name], dtype="bfloat16")
     with pytest.raises(TraceError, match="bfloat16 but the reference as float32"):
         compare(ref, cand, [], TolerancePolicy())
+
+
+def test_a_shape_mismatch_between_runs_is_an_error(traces):
+    """The candidate reassembles one tensor to another shape (a layout declared wrong): an error
+    naming the tensor, never a figure computed on misaligned elements."""
+    write_run(traces, "candidate", tp=2)
+    ref, cand = load(traces, "reference"), load(traces, "candidate", 2)
+    name = "0/0/out/output"
+    cand.tensors[name].tensor = cand.tensors[name].tensor[:, :-1]
+    with pytest.raises(TraceError, match=r"0/0/out/output: candidate reassembles to shape \(5, 2\)"):
+        compare(ref, cand, [], TolerancePolicy())
+
+
+def test_an_inf_in_the_candidate_fails_at_that_tensor(traces):
+    write_run(traces, "candidate", tp=2)
+    ref, cand = load(traces, "reference"), load(traces, "candidate", 2)
+    cand.tensors["0/0/out/output"].tensor[1, 1] = float("-inf")
+    res = compare(ref, cand, [load(traces, "perturbed-0")], TolerancePolicy())
+    assert res.verdict == "fail"
+    assert res.first_divergence.name == "0/0/out/output" and res.first_divergence.reason == "1 non-finite values"
+
+
+def test_a_non_finite_perturbed_reference_is_an_error_not_a_loose_tolerance(traces):
+    """A NaN in a perturbed run would make every tolerance NaN, and NaN comparisons never fail."""
+    write_run(traces, "candidate", tp=2)
+    pert = load(traces, "perturbed-0")
+    pert.tensors["0/0/fc/output"].tensor[0, 0] = float("nan")
+    with pytest.raises(TraceError, match="0/0/fc/output: a perturbed reference run has non-finite values"):
+        compare(load(traces, "reference"), load(traces, "candidate", 2), [pert], TolerancePolicy())

@@ -15,7 +15,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.layouts import Assembled, Layout, Piece, assemble
 from tracer.measure import TensorKey, measure
-from tracer.store import read_run
+from tracer.store import gc_paused, read_run
 from tracer.tolerance import TolerancePolicy, unit_roundoff
 
 KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
@@ -34,6 +34,11 @@ class LogicalTrace:
 
 
 def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
+    with gc_paused():
+        return _load_logical(root, run, world_size)
+
+
+def _load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
     ranks = read_run(root, run, world_size)
     # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
     # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
