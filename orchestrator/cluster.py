@@ -118,23 +118,29 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                               f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
                               "larger cluster (cluster.address)")
     notify = (lambda: on_change(jobs)) if on_change else (lambda: None)
-    reserve = lambda job: placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
-    running: dict[int, tuple[Job, Any, list[ray.ObjectRef], float | None]] = {}
+    def reserve(job: Job) -> tuple[Any, ray.ObjectRef]:
+        """The job's placement group and the one ObjectRef that resolves when it is ready. Asked for
+        once: each `pg.ready()` call is a new GCS request whose reply lands a few ms later, so
+        polling fresh refs with a zero timeout only noticed readiness by chance (jobs started
+        17-151 s late, or "could not be scheduled" on an idle cluster)."""
+        pg = placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
+        return pg, pg.ready()
+
+    running: dict[int, tuple[Job, tuple[Any, ray.ObjectRef], list[ray.ObjectRef], float | None]] = {}
     for i, job in enumerate(jobs):
-        pg = reserve(job)
         job.state = "queued"
-        running[i] = (job, pg, [], None)
+        running[i] = (job, reserve(job), [], None)
     notify()
     limit = lambda job: job.timeout_s if job.timeout_s is not None else timeout_s
     queue_deadline = time.monotonic() + max(limit(j) for j in jobs) * max(1, len(jobs)) if jobs else 0.0
     try:
         while running:
-            for key, (job, pg, refs, started) in list(running.items()):
+            for key, (job, (pg, pg_ready), refs, started) in list(running.items()):
                 if started is None:
-                    ready, _ = ray.wait([pg.ready()], timeout=0)
+                    ready, _ = ray.wait([pg_ready], timeout=0)
                     if ready:
                         refs = _launch(job, pg)
-                        running[key] = (job, pg, refs, time.monotonic())
+                        running[key] = (job, (pg, pg_ready), refs, time.monotonic())
                         job.state = "running"
                         notify()
                     elif time.monotonic() > queue_deadline:
@@ -233,6 +239,6 @@ def _failures(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef], pe
 
 def _finish(running: dict[int, Any], key: int, cancel: bool = False) -> None:
     """Release the job's placement group; with `cancel`, any rank still running is killed with it."""
-    job, pg, _, _ = running.pop(key)
+    job, (pg, _), _, _ = running.pop(key)
     job.state = "failed" if (cancel or job.error) else "done"
     remove_placement_group(pg)

@@ -221,7 +221,8 @@ def test_an_inf_in_the_candidate_fails_at_that_tensor(traces):
     cand.tensors["0/0/out/output"].tensor[1, 1] = float("-inf")
     res = compare(ref, cand, [load(traces, "perturbed-0")], TolerancePolicy())
     assert res.verdict == "fail"
-    assert res.first_divergence.name == "0/0/out/output" and res.first_divergence.reason == "1 non-finite values"
+    fd = res.first_divergence
+    assert fd.name == "0/0/out/output" and fd.reason == "1 non-finite values"
 
 
 def test_a_non_finite_perturbed_reference_is_an_error_not_a_loose_tolerance(traces):
