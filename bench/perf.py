@@ -5,7 +5,8 @@
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
   process, so peak RSS is that configuration's own.
 - comparison throughput: GB/s of trace compared (`load_logical` + `compare`, reference + R
-  perturbed + candidate) vs the raw read throughput of the same files from the same store.
+  perturbed + candidate, in a fresh process: its peak RSS too) vs the raw read throughput of the
+  same files from the same store.
 - scaling: compare time for 1x, 4x, 16x trace sizes (model.layers 2, 8, 32).
 - end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
 
@@ -114,14 +115,26 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def compare_scaling(tmp: Path) -> dict[str, Any]:
-    import fsspec
-
+def _compare(store: str, runs: list[str], q: Any) -> None:
+    """Child process: load and compare one store's runs; report times and the process's peak RSS."""
     from orchestrator.recipe import compose
     from tracer.compare import compare, load_logical
     from tracer.tolerance import TolerancePolicy
 
     policy = TolerancePolicy.from_config(compose([])["tolerance"])
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.perf_counter()
+    ref, *pert, cand = (load_logical(store, r, 1) for r in runs)
+    load_s = time.perf_counter() - t0
+    res = compare(ref, cand, pert, policy)
+    q.put({"load_s": load_s, "compare_total_s": time.perf_counter() - t0, "verdict": res.verdict,
+           "tensors": len(res.results), "rss_before_mb": rss0,
+           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def compare_scaling(tmp: Path) -> dict[str, Any]:
+    import fsspec
+
     out = {}
     for label, layers in SCALES.items():
         store = str(tmp / f"scale-{label}")
@@ -135,16 +148,16 @@ def compare_scaling(tmp: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         nbytes = sum(len(fs.cat_file(f)) for f in files)
         raw_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ref, *pert, cand = (load_logical(store, r, 1) for r in runs)
-        load_s = time.perf_counter() - t0
-        res = compare(ref, cand, pert, policy)
-        cmp_s = time.perf_counter() - t0
-        gb = nbytes / 1e9
-        out[label] = {"layers": layers, "bytes": nbytes, "tensors": len(res.results), "verdict": res.verdict,
-                      "raw_read_s": raw_s, "load_s": load_s, "compare_total_s": cmp_s,
+        ctx = mp.get_context("spawn")   # a fresh process per size: its peak RSS is the comparison's own
+        q = ctx.Queue()
+        p = ctx.Process(target=_compare, args=(store, runs, q))
+        p.start()
+        c = q.get(timeout=1800)
+        p.join()
+        gb, cmp_s = nbytes / 1e9, c["compare_total_s"]
+        out[label] = {"layers": layers, "bytes": nbytes, **c, "raw_read_s": raw_s,
                       "raw_gb_s": gb / raw_s, "compare_gb_s": gb / cmp_s, "ratio": raw_s / cmp_s,
-                      "s_per_gb": cmp_s / gb}
+                      "s_per_gb": cmp_s / gb, "rss_over_trace": c["peak_rss_mb"] * 2**20 / nbytes}
     return out
 
 
@@ -176,11 +189,11 @@ def table(r: dict[str, Any]) -> str:
                      f"{o['trace_bytes_per_step'] / 1e6:>15.2f}")
     lines += ["", "comparison (reference + 3 perturbed + candidate, local store)",
               f"{'size':<5}{'layers':>7}{'MB':>8}{'tensors':>8}{'raw GB/s':>10}{'load s':>8}{'compare s':>10}"
-              f"{'cmp GB/s':>9}{'ratio':>7}{'s/GB':>8}"]
+              f"{'cmp GB/s':>9}{'ratio':>7}{'s/GB':>8}{'peak RSS MB':>12}"]
     for s, c in r.get("scaling", {}).items():
         lines.append(f"{s:<5}{c['layers']:>7}{c['bytes'] / 1e6:>8.1f}{c['tensors']:>8}{c['raw_gb_s']:>10.2f}"
                      f"{c['load_s']:>8.2f}{c['compare_total_s']:>10.2f}{c['compare_gb_s']:>9.3f}"
-                     f"{c['ratio']:>7.3f}{c['s_per_gb']:>8.1f}")
+                     f"{c['ratio']:>7.3f}{c['s_per_gb']:>8.1f}{c.get('peak_rss_mb', 0):>12.0f}")
     if "e2e_error" in r:
         lines += ["", f"demo check end to end: not measured ({r['e2e_error'][:200]})"]
     if "e2e" in r:
