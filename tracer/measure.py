@@ -3,8 +3,9 @@
 A trace holds thousands of mostly small tensors: judged one at a time, each costs ~100 torch
 dispatches whatever its size, and the comparison ran at ~0.1 GB/s. Here consecutive tensors (in the
 reference's execution order) are concatenated into flat chunks of about `chunk_elems` elements,
-every elementwise formula runs once per chunk, and per-tensor figures come from segment
-reductions. Chunks stay cache-sized, so memory traffic is streamed, not paged in.
+every elementwise formula runs once per chunk, and per-tensor figures come from blocked
+reductions (see _Blocks). Chunks stay cache-sized, and their temporaries come from the heap
+(see _heap_keeps_chunks).
 
 The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err,
 elem_noise) and `tracer.compare` (rel_err, max_err, cosine); tests/test_measure.py holds the two
@@ -195,7 +196,8 @@ def _heap_keeps_chunks() -> Iterator[None]:
     glibc maps every allocation above M_MMAP_THRESHOLD (128 KiB until its dynamic rule raises it)
     and returns it on free, so each ~1 MB temporary of every formula page-faults anew: measured on
     a 16x trace, the comparison took 2.4 s cold and 0.8 s with the heap serving them. The thresholds
-    are put back afterwards and the freed heap returned to the system."""
+    are put back to glibc's defaults afterwards (its dynamic adjustment stays off) and the freed
+    heap is returned to the system."""
     libc = _glibc()
     if libc is None:
         yield
