@@ -180,8 +180,9 @@ def sweep_with_one_fault(s: Suite) -> None:
 
 def trace_damage(s: Suite) -> None:
     from orchestrator.recipe import compose
-    from tracer.compare import compare, load_logical
+    from tracer.compare import compare
     from tracer.errors import TTraceError
+    from tracer.logical import load_logical
     from tracer.tolerance import TolerancePolicy
 
     rep = s.base_report

@@ -118,13 +118,14 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
 def _compare(store: str, runs: list[str], q: Any) -> None:
     """Child process: load and compare one store's runs; report times and the process's peak RSS."""
     from orchestrator.recipe import compose
-    from tracer.compare import compare, load_logical
+    from tracer.compare import compare
+    from tracer.logical import load_logical
     from tracer.tolerance import TolerancePolicy
 
     policy = TolerancePolicy.from_config(compose([])["tolerance"])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    ref, *pert, cand = (load_logical(store, r, 1) for r in runs)
+    ref, *pert, cand = (load_logical(store, r, 1, lazy=True) for r in runs)   # as a check reads them
     load_s = time.perf_counter() - t0
     res = compare(ref, cand, pert, policy)
     q.put({"load_s": load_s, "compare_total_s": time.perf_counter() - t0, "verdict": res.verdict,

@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe  # noqa: E402
-from tracer.compare import compare, load_logical, rel_err  # noqa: E402
+from tracer.compare import compare, rel_err  # noqa: E402
+from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
     compute_roundoff,

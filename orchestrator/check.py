@@ -20,9 +20,10 @@ from typing import Any
 import fsspec
 
 from orchestrator import cluster, recipe, storage, tracking
-from tracer.compare import Comparison, LogicalTrace, compare, load_logical
+from tracer.compare import Comparison, compare
 from tracer.errors import TTraceError
 from tracer.isolation import localize
+from tracer.logical import LogicalTrace, load_logical
 from tracer.store import read_run
 from tracer.tolerance import TolerancePolicy
 
@@ -215,9 +216,10 @@ def _judge(p: _Planned) -> None:
         if failed:
             raise TTraceError("; ".join(failed))
         t0 = time.perf_counter()
-        reference = load_logical(rs.url, "reference", 1)
-        perturbed = [load_logical(rs.url, run, 1) for run in rs.runs[1:]]
-        candidate = load_logical(p.store_url, "candidate", p.candidate.world_size)
+        # Read as the comparison walks them: a few parts per rank in memory, not the runs.
+        reference = load_logical(rs.url, "reference", 1, lazy=True)
+        perturbed = [load_logical(rs.url, run, 1, lazy=True) for run in rs.runs[1:]]
+        candidate = load_logical(p.store_url, "candidate", p.candidate.world_size, lazy=True)
         policy = TolerancePolicy.from_config(p.rec["tolerance"])
         p.comparison = compare(reference, candidate, perturbed, policy)
         p.loaded = (reference, perturbed)
@@ -273,7 +275,7 @@ def _isolate(plans: list[_Planned], progress: bool = False) -> None:
             if job.error:
                 raise TTraceError(job.error)
             t1 = time.perf_counter()
-            isolated = load_logical(p.store_url, "isolated", job.world_size)
+            isolated = load_logical(p.store_url, "isolated", job.world_size, lazy=True)
             reference, perturbed = p.loaded
             policy = TolerancePolicy.from_config(p.rec["tolerance"])
             local = compare(reference, isolated, perturbed, policy)

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from tracer import ModuleLayout, Tracer, perturb_ulp
-from tracer.compare import compare, load_logical
+from tracer.compare import compare
 from tracer.isolation import ReferenceFeed, localize
 from tracer.layouts import Layout
+from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
 
 NAMES = ("l0", "l1", "l2", "l3")

@@ -54,11 +54,12 @@ def _traces(n_perturbed: int):
              "e/output": (3, BLOCK + 1), "zero/output": (40,), "big/output": (50, 70)}
     keys, ref = [], {}
     for name, shape in sizes.items():
-        keys.append(TensorKey(f"0/0/{name}", "output", name, U))
-        ref[keys[-1].name] = torch.zeros(shape) if name.startswith("zero") else rnd(*shape)
+        t = torch.zeros(shape) if name.startswith("zero") else rnd(*shape)
+        keys.append(TensorKey(f"0/0/{name}", "output", name, U, t.numel()))
+        ref[keys[-1].name] = t
     for step in range(2):   # a parameter over two steps: its gradient, then its post-step value
         for kind in ("param_grad", "param"):
-            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U))
+            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300))
             t = rnd(300) * (1e-3 if kind == "param_grad" else 1.0)
             t[::7] *= 1e-6   # gradient elements within noise of zero: excused at the param
             ref[keys[-1].name] = t

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from tracer import ModuleLayout, Shard, Tracer
-from tracer.compare import compare, cosine, load_logical, max_err, rel_err
+from tracer.compare import compare, cosine, max_err, rel_err
 from tracer.errors import TraceError
+from tracer.logical import load_logical
+from tracer.store import READ_THREADS
 from tracer.tolerance import TolerancePolicy
 
 PLAN = {"fc": ModuleLayout(output=Shard(-1, "tp"), params={"weight": Shard(0, "tp")}), "out": ModuleLayout()}
@@ -33,7 +35,8 @@ X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
 
 
 def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
-              replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a") -> None:
+              replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a",
+              flush_bytes: int = 32 << 20) -> None:
     """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
 
     fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
@@ -41,7 +44,8 @@ def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: boo
     """
     for r in range(tp):
         m = Tiny(FULL_FC.chunk(tp, 0)[r] * fc_scale, FULL_OUT)
-        tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp}, meta={"fingerprint": fingerprint})
+        tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp}, meta={"fingerprint": fingerprint},
+                    flush_bytes=flush_bytes)
         tr.attach(m, PLAN)
         with tr.step(0):
             with tr.microbatch(microbatch):
@@ -232,3 +236,35 @@ def test_a_non_finite_perturbed_reference_is_an_error_not_a_loose_tolerance(trac
     pert.tensors["0/0/fc/output"].tensor[0, 0] = float("nan")
     with pytest.raises(TraceError, match="0/0/fc/output: a perturbed reference run has non-finite values"):
         compare(load(traces, "reference"), load(traces, "candidate", 2), [pert], TolerancePolicy())
+
+
+def test_a_run_read_as_the_comparison_walks_it_gives_the_same_figures_holding_few_parts(tmp_path):
+    """lazy=True (how a check reads runs): the same report as reading everything first, while at
+    most the part being used and the READ_THREADS read ahead are held per rank."""
+    runs = {"reference": {}, "perturbed-0": {"fc_scale": 1 + 2**-22}, "candidate": {"tp": 2},
+            "buggy": {"tp": 2, "fc_scale": 1.01}}
+    for run, kw in runs.items():
+        write_run(tmp_path, run, flush_bytes=1, **kw)   # one part per tensor
+    parts = len(json.loads((tmp_path / "reference" / "rank00000" / "manifest.json").read_text())["files"])
+    policy = TolerancePolicy()
+    for cand in ("candidate", "buggy"):
+        eager = compare(load(tmp_path, "reference"), load(tmp_path, cand, 2), [load(tmp_path, "perturbed-0")],
+                        policy)
+        ref, c, pert = (load_logical(str(tmp_path), run, n, lazy=True)
+                        for run, n in (("reference", 1), (cand, 2), ("perturbed-0", 1)))
+        lazy = compare(ref, c, [pert], policy)
+        assert lazy.to_json() == eager.to_json()
+        held = 1 + READ_THREADS
+        assert parts > 2 * held and ref.tensors.resident_max <= held and c.tensors.resident_max <= 2 * held
+    assert lazy.verdict == "fail" and eager.verdict == "fail"
+
+
+def test_a_corrupt_part_of_a_lazily_read_run_is_an_error_of_the_comparison(traces):
+    write_run(traces, "candidate", tp=2)
+    part = next((traces / "candidate" / "rank00001").glob("part-*.safetensors"))
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    cand = load_logical(str(traces), "candidate", 2, lazy=True)   # manifests only: nothing read yet
+    with pytest.raises(TraceError, match="checksum"):
+        compare(load(traces, "reference"), cand, [load(traces, "perturbed-0")], TolerancePolicy())

@@ -1,82 +1,25 @@
-"""Comparison stage: reassemble each run's logical tensors, compare candidate with reference.
+"""Comparison stage: judge every reference tensor against the candidate's logical tensor.
 
-Importable and testable without Ray: the orchestrator only calls `load_logical` and `compare`.
+Importable and testable without Ray: the orchestrator only calls `load_logical` (tracer.logical)
+and `compare`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from tracer.errors import TraceError
-from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.layouts import Assembled
+from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey, measure
-from tracer.store import gc_paused, read_run
 from tracer.tolerance import TolerancePolicy, unit_roundoff
 
 KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
-
-
-@dataclass
-class LogicalTrace:
-    """A run's traced tensors, reassembled to logical form, in execution order."""
-
-    run: str
-    world_size: int
-    meta: dict[str, Any]
-    order: list[str]                    # canonical names in execution order
-    info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
-    tensors: dict[str, Assembled]       # in the traced dtype; fp8 scaled and partial sums in float64
-
-
-def load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
-    with gc_paused():
-        return _load_logical(root, run, world_size)
-
-
-def _load_logical(root: str, run: str, world_size: int) -> LogicalTrace:
-    ranks = read_run(root, run, world_size)
-    # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
-    # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
-    prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
-    if len(set(prints.values())) > 1:
-        odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
-        seen = sorted(set(map(str, prints.values())))
-        raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
-                         f"than rank {ranks[0].rank} (fingerprints {seen}); "
-                         "the run directory mixes runs, rerun the job into a fresh store path")
-    pieces: dict[str, list[Piece]] = {}
-    info: dict[str, dict[str, Any]] = {}
-    for rt in ranks:
-        by_key = {e["key"]: e for e in rt.entries}
-        coords, seen = rt.manifest["coords"], set()
-        for _, tensors in rt.load_parts():
-            for key, t in tensors.items():
-                e = by_key.get(key)
-                if e is None:
-                    raise TraceError(f"run '{run}' rank {rt.rank}: tensor '{key}' is not in the manifest")
-                seen.add(key)
-                scale = float(e.get("scale", 1.0))
-                if scale != 1.0:   # fp8 payload with its per-tensor scale: exact in float64
-                    t = t.double() * scale
-                pieces.setdefault(e["name"], []).append(Piece(coords, t, rt.rank))
-                if e["name"] not in info or rt.rank < info[e["name"]]["rank"]:
-                    info[e["name"]] = dict(e, rank=rt.rank)
-        if len(seen) != len(by_key):
-            lost = sorted(set(by_key) - seen)[:3]
-            raise TraceError(f"run '{run}' rank {rt.rank}: manifest lists tensors not found in any part "
-                             f"(e.g. {lost}); the trace is incomplete, rerun the job")
-    sizes = ranks[0].manifest["sizes"]
-    tensors = {name: assemble(name, Layout.from_json(info[name]["layout"]), ps, sizes)
-               for name, ps in pieces.items()}
-    # Execution order: by step, then the record order of the lowest rank holding the tensor (the
-    # reference has a single rank, whose order is the one the comparison walks).
-    order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
-    return LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, tensors)
 
 
 @dataclass
@@ -149,6 +92,35 @@ def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
     return float((c.flatten() @ r.flatten()).item() / (nc * nr))
 
 
+class _Arriving(Mapping[str, torch.Tensor]):
+    """A run's tensors as the measurement reads them, each once, chunk by chunk (a stored run is
+    read as it goes, see tracer.logical): a shape other than the reference's is an error, and the
+    candidate's replica agreement is kept for its verdict."""
+
+    def __init__(self, trace: LogicalTrace, reference: LogicalTrace,
+                 replicas: dict[str, Assembled] | None = None):
+        self.trace, self.reference, self.replicas = trace, reference, replicas
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        got = self.trace.tensors[name]
+        want = self.reference.shape(name)
+        if tuple(got.tensor.shape) != want:
+            if self.replicas is not None:
+                raise TraceError(f"{name}: candidate reassembles to shape {tuple(got.tensor.shape)} but the "
+                                 f"reference has {want}: the runs do not match or a layout is declared wrong")
+            raise TraceError(f"{name}: run '{self.trace.run}' has shape {tuple(got.tensor.shape)}, the "
+                             f"reference {want}; the reference set is inconsistent, recompute it")
+        if self.replicas is not None:
+            self.replicas[name] = got
+        return got.tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.trace.tensors)
+
+    def __len__(self) -> int:
+        return len(self.trace.tensors)
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else float("inf")
 
@@ -174,21 +146,12 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         if lost:
             raise TraceError(f"perturbed reference '{p.run}' lacks {len(lost)} tensors (e.g. {lost[:3]})")
 
-    # A tensor that differs in shape or dtype means the runs do not match: say so before measuring.
+    # A dtype that differs means the runs do not match: say so before reading any tensor.
     for name in reference.order:
-        c, r = candidate.tensors[name].tensor, reference.tensors[name].tensor
-        if c.shape != r.shape:
-            raise TraceError(f"{name}: candidate reassembles to shape {tuple(c.shape)} but the reference has "
-                             f"{tuple(r.shape)}: the runs do not match or a layout is declared wrong")
         c_dtype, r_dtype = candidate.info[name].get("dtype"), reference.info[name].get("dtype")
         if c_dtype and r_dtype and c_dtype != r_dtype:
             raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {r_dtype}: "
                              "the runs use different precision recipes; compare runs of the same recipe")
-        for p in perturbed:
-            if p.tensors[name].tensor.shape != r.shape:
-                raise TraceError(f"{name}: perturbed reference '{p.run}' has shape "
-                                 f"{tuple(p.tensors[name].tensor.shape)}, the reference {tuple(r.shape)}; "
-                                 "the reference set is inconsistent, recompute it")
 
     # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
     # (as measured on this or an earlier step's param_grad) may step either way under any honest
@@ -198,11 +161,11 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # candidate's own (accepted) gradient deviation times the gain measured on the perturbed runs
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    keys = [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]))
-            for n in reference.order]
-    stats = measure(keys, {n: a.tensor for n, a in reference.tensors.items()},
-                    {n: a.tensor for n, a in candidate.tensors.items()},
-                    [{n: a.tensor for n, a in p.tensors.items()} for p in perturbed], policy.k_elem)
+    keys = [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
+                      math.prod(reference.shape(n))) for n in reference.order]
+    replicas: dict[str, Assembled] = {}
+    stats = measure(keys, _Arriving(reference, reference), _Arriving(candidate, reference, replicas),
+                    [_Arriving(p, reference) for p in perturbed], policy.k_elem)
     for name in reference.order:
         if stats[name].ref_nonfinite:
             raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
@@ -224,7 +187,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
     for index, name in enumerate(reference.order):
-        e, st, got = reference.info[name], stats[name], candidate.tensors[name]
+        e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
         noise, e_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from tracer.compare import Comparison, LogicalTrace, TensorResult
+from tracer.compare import Comparison, TensorResult
 from tracer.errors import TraceError
 from tracer.layouts import Layout
+from tracer.logical import LogicalTrace
 
 
 class _Substitute(torch.autograd.Function):

@@ -59,6 +59,7 @@ class TensorKey:
     kind: str
     path: str             # parameter path (shared by a parameter's param_grad and param entries)
     unit: float           # unit roundoff of the tensor's traced dtype
+    numel: int            # elements of the logical tensor
 
 
 class _Excusal:
@@ -179,13 +180,16 @@ def _chunks(keys: Sequence[TensorKey], numel: Mapping[str, int], chunk_elems: in
 def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
             k_elem: float, chunk_elems: int = CHUNK_ELEMS) -> dict[str, TensorStats]:
-    """Figures of every key (in execution order); candidate shapes must equal the reference's."""
+    """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
+    chunk in that order, and must have key.numel elements (the caller checks shapes)."""
     excusal = _Excusal(k_elem)
-    numel = {k.name: reference[k.name].numel() for k in keys}
+    numel = {k.name: k.numel for k in keys}
     out: dict[str, TensorStats] = {}
     with _heap_keeps_chunks():
         for chunk in _chunks(keys, numel, chunk_elems):
-            out.update(_measure_chunk(chunk, numel, reference, candidate, perturbed, excusal))
+            names = [k.name for k in chunk]
+            runs = [{n: run[n] for n in names} for run in (reference, candidate, *perturbed)]
+            out.update(_measure_chunk(chunk, numel, runs[0], runs[1], runs[2:], excusal))
     return out
 
 

@@ -16,7 +16,6 @@ import queue
 import struct
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from tracer.errors import TraceError
 
 FORMAT = "ttrace-trace/1"
 MANIFEST = "manifest.json"
-READ_THREADS = 2   # part reads and sha256 release the GIL: hashing one part overlaps reading the next
+READ_THREADS = 2   # part reads and sha256 release the GIL: one part is verified while the next is read
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -131,12 +130,8 @@ class RankTrace:
     def entries(self) -> list[dict[str, Any]]:
         return self.manifest["entries"]
 
-    def load_parts(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Every part in manifest order, read and verified READ_THREADS at a time."""
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ttrace-read") as pool:
-            yield from pool.map(self._load_part, self.manifest["files"])
-
-    def _load_part(self, info: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
+    def load_part(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One part (an entry of manifest["files"]), checksum-verified, as views into its bytes."""
         fs, base = _fs(self.root)
         path = f"{base}/{self.run}/{rank_dir(self.rank)}/{info['file']}"
         try:
@@ -151,7 +146,7 @@ class RankTrace:
             size = f"{got}{'+' if extra else ''}"
             raise TraceError(f"trace part {path} is truncated or corrupt ({size} bytes, expected "
                              f"{info['bytes']}; checksum mismatch); rerun the job '{self.run}'")
-        return info["file"], _safetensors_views(data, path)
+        return _safetensors_views(data, path)
 
 
 def _safetensors_views(data: bytearray, path: str) -> dict[str, torch.Tensor]:

@@ -168,8 +168,8 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
         tracer.attach(model, plan, rename=renaming(model))
         isolate = (spec.get("trace") or {}).get("isolate")
         if isolate:   # isolation pass: every module is fed the reference's tensors (tracer/isolation.py)
-            from tracer.compare import load_logical
             from tracer.isolation import ReferenceFeed
+            from tracer.logical import load_logical
 
             reference = load_logical(isolate["url"], isolate["run"], 1)
             tracer.isolate(ReferenceFeed(reference, ps.coords, ps.sizes))

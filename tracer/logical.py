@@ -1,0 +1,163 @@
+"""A stored run's traced tensors in logical (reassembled) form, read from the store as they are used.
+
+`load_logical` reads the run's manifests only. A tensor is assembled when it is looked up: its
+pieces' part files are read and checksum-verified once, and the rank's next part is read ahead on
+a background thread. A part is dropped once every tensor in it has been assembled, so walking a
+run in execution order (as the comparison does) holds a few parts per rank, not the run; a part
+looked up again later is read again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.store import READ_THREADS, RankTrace, gc_paused, read_run
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _reader() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ttrace-read")
+    return _pool
+
+
+@dataclass
+class LogicalTrace:
+    """A run's traced tensors, reassembled to logical form, in execution order."""
+
+    run: str
+    world_size: int
+    meta: dict[str, Any]
+    order: list[str]                    # canonical names in execution order
+    info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
+    tensors: Mapping[str, Assembled]    # in the traced dtype; fp8 scaled and partial sums in float64
+    sizes: dict[str, int] = field(default_factory=dict)   # mesh axis sizes of the run
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical tensor's shape, from the manifest (reads nothing): the lowest rank's local
+        shape with every sharded dim times its axis size."""
+        e = self.info[name]
+        shape = [int(d) for d in e["shape"]]
+        for dim, ax in Layout.from_json(e["layout"]).shard:
+            shape[dim] *= int(self.sizes.get(ax, 1))
+        return tuple(shape)
+
+
+def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) -> LogicalTrace:
+    """The run's manifests, checked; with `lazy`, tensors are read as they are looked up (see the
+    module doc), otherwise every part is read and verified now."""
+    with gc_paused():
+        ranks = read_run(root, run, world_size)
+        # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
+        # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
+        prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
+        if len(set(prints.values())) > 1:
+            odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
+            seen = sorted(set(map(str, prints.values())))
+            raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
+                             f"than rank {ranks[0].rank} (fingerprints {seen}); "
+                             "the run directory mixes runs, rerun the job into a fresh store path")
+        stored = StoredTensors(run, ranks)
+        info = stored.info
+        # Execution order: by step, then the record order of the lowest rank holding the tensor (the
+        # reference has a single rank, whose order is the one the comparison walks).
+        order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
+        tensors: Mapping[str, Assembled] = stored if lazy else {n: stored[n] for n in order}
+        return LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, tensors,
+                            dict(stored.sizes))
+
+
+class StoredTensors(Mapping[str, Assembled]):
+    """name -> Assembled, read on lookup (module doc). Lookups are not cached: a tensor looked up
+    twice is assembled twice (from the part cache while its part is held)."""
+
+    def __init__(self, run: str, ranks: list[RankTrace]):
+        self.run = run
+        self.sizes = ranks[0].manifest["sizes"]
+        self.info: dict[str, dict[str, Any]] = {}
+        self._pieces: dict[str, list[tuple[RankTrace, dict[str, Any]]]] = {}
+        self._keys: dict[tuple[int, str], set[str]] = {}        # (rank, part file) -> keys it must hold
+        self._files: dict[int, list[str]] = {}                  # rank -> its part files in order
+        self._position: dict[tuple[int, str], int] = {}        # (rank, part file) -> index in its files
+        for rt in ranks:
+            self._files[rt.rank] = [f["file"] for f in rt.manifest["files"]]
+            self._position.update({(rt.rank, f): i for i, f in enumerate(self._files[rt.rank])})
+            listed = set(self._files[rt.rank])
+            for e in rt.entries:
+                if e["file"] not in listed:
+                    raise TraceError(f"run '{run}' rank {rt.rank}: manifest lists tensor '{e['key']}' in "
+                                     f"part {e['file']}, which it does not commit; the trace is incomplete, "
+                                     "rerun the job")
+                self._keys.setdefault((rt.rank, e["file"]), set()).add(e["key"])
+                self._pieces.setdefault(e["name"], []).append((rt, e))
+                if e["name"] not in self.info or rt.rank < self.info[e["name"]]["rank"]:
+                    self.info[e["name"]] = dict(e, rank=rt.rank)
+        self._parts: dict[tuple[int, str], Future] = {}         # parts read or being read
+        self._left: dict[tuple[int, str], int] = {}            # their tensors not assembled yet
+        self._read: set[tuple[int, str]] = set()               # parts read at least once
+        self.resident_max = 0                                   # most parts held at once (bench, tests)
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pieces)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._pieces
+
+    def __getitem__(self, name: str) -> Assembled:
+        pieces = []
+        for rt, e in self._pieces[name]:
+            part = (rt.rank, e["file"])
+            t = self._part(rt, part)[e["key"]]
+            scale = float(e.get("scale", 1.0))
+            if scale != 1.0:   # fp8 payload with its per-tensor scale: exact in float64
+                t = t.double() * scale
+            pieces.append(Piece(rt.manifest["coords"], t, rt.rank))
+            self._left[part] -= 1
+            if self._left[part] == 0:
+                del self._parts[part], self._left[part]
+        return assemble(name, Layout.from_json(self.info[name]["layout"]), pieces, self.sizes)
+
+    def _part(self, rt: RankTrace, part: tuple[int, str]) -> dict[str, torch.Tensor]:
+        if part not in self._parts:
+            self._fetch(rt, part)
+        # Read ahead, once each: the walk in execution order needs the rank's next parts next, and
+        # READ_THREADS of them in flight keep every reader busy while this one is used.
+        files, i = self._files[rt.rank], self._position[part]
+        for nxt in files[i + 1:i + 1 + READ_THREADS]:
+            if (rt.rank, nxt) not in self._read:
+                self._fetch(rt, (rt.rank, nxt))
+        return self._parts[part].result()
+
+    def _fetch(self, rt: RankTrace, part: tuple[int, str]) -> None:
+        info = rt.manifest["files"][self._position[part]]
+        self._parts[part] = _reader().submit(self._verified, rt, info)
+        self._left[part] = len(self._keys.get(part, ()))
+        self._read.add(part)
+        self.resident_max = max(self.resident_max, len(self._parts))
+
+    def _verified(self, rt: RankTrace, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """One part, checksum-verified, holding exactly the keys the manifest lists for it."""
+        tensors = rt.load_part(info)
+        listed = self._keys.get((rt.rank, info["file"]), set())
+        extra, lost = set(tensors) - listed, listed - set(tensors)
+        if extra:
+            raise TraceError(f"run '{self.run}' rank {rt.rank}: tensor '{min(extra)}' in {info['file']} is "
+                             "not in the manifest")
+        if lost:
+            raise TraceError(f"run '{self.run}' rank {rt.rank}: manifest lists tensors not found in "
+                             f"{info['file']} (e.g. {sorted(lost)[:3]}); the trace is incomplete, "
+                             "rerun the job")
+        return tensors
+
