@@ -268,3 +268,13 @@ def test_a_corrupt_part_of_a_lazily_read_run_is_an_error_of_the_comparison(trace
     cand = load_logical(str(traces), "candidate", 2, lazy=True)   # manifests only: nothing read yet
     with pytest.raises(TraceError, match="checksum"):
         compare(load(traces, "reference"), cand, [load(traces, "perturbed-0")], TolerancePolicy())
+
+
+def test_a_part_that_cannot_be_read_is_an_error_naming_the_store(traces):
+    """An I/O error other than a missing file (here the part is a directory; on S3, the endpoint
+    going away) is a TraceError saying what to check, not a crash of the comparison."""
+    part = next((traces / "reference" / "rank00000").glob("part-*.safetensors"))
+    part.unlink()
+    part.mkdir()
+    with pytest.raises(TraceError, match=r"reading trace part .* failed \(IsADirectoryError"):
+        load(traces, "reference")

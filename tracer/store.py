@@ -142,6 +142,9 @@ class RankTrace:
         except FileNotFoundError:
             raise TraceError(f"trace part {path} listed in the manifest is missing; rerun the job "
                              f"'{self.run}'") from None
+        except OSError as e:   # e.g. the object store went away: no verdict from what was read so far
+            raise TraceError(f"reading trace part {path} failed ({type(e).__name__}: {e}); check that the "
+                             "store (store.url) is reachable, then rerun the comparison") from e
         if got != info["bytes"] or extra or hashlib.sha256(data).hexdigest() != info["sha256"]:
             size = f"{got}{'+' if extra else ''}"
             raise TraceError(f"trace part {path} is truncated or corrupt ({size} bytes, expected "
