@@ -59,13 +59,13 @@ def free_port(host: str = "") -> int:
 
 def rank_worker_pids() -> list[int]:
     """PIDs of the rank workers of a local cluster this process started (its descendants running a
-    `_rank` task): for fault injection in tests and benchmarks."""
+    `_run_rank` task): for fault injection in tests and benchmarks."""
     import psutil
 
     pids = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.cmdline() and p.cmdline()[0].startswith("ray::_rank"):
+            if p.cmdline() and p.cmdline()[0].startswith("ray::_run_rank"):
                 pids.append(p.pid)
         except psutil.Error:
             pass
@@ -78,13 +78,28 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-@ray.remote(max_retries=0)
-def _rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int]) -> dict[str, Any]:
+def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int]) -> dict[str, Any]:
     from orchestrator import storage
     from workloads.train import run_rank
 
     storage.configure((spec.get("trace") or {}).get("storage"))   # S3 endpoint/timeouts; no credentials
     return run_rank(spec, rank, world_size, *rdzv)
+
+
+_rank = ray.remote(max_retries=0)(_run_rank)
+# One fresh worker process per rank (max_calls=1) for the framework adapters. torch's DTensor keeps
+# redistribution plans in process-global caches keyed by device meshes that compare equal across
+# ranks, so a Ray worker reused for rank 1 after hosting rank 0 of an earlier job silently computes
+# rank 0's chunk in the backward of an all-gather (reproduced with ColwiseParallel on gloo, torch
+# 2.13: a clean tp2_sp check failed with rank 1's logits gradient equal to rank 0's). Megatron and
+# transformers keep process-global state too. The built-in trainer keeps none and reuses warm
+# workers (each fresh one pays the torch import).
+_rank_fresh = ray.remote(max_retries=0, max_calls=1)(_run_rank)
+
+
+def rank_task(spec: dict[str, Any]) -> Any:
+    """The remote function a job's ranks run: a fresh process each unless the trainer is built in."""
+    return _rank if (spec.get("framework") or {}).get("name", "builtin") == "builtin" else _rank_fresh
 
 
 @dataclass
@@ -199,7 +214,7 @@ def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
     # The rendezvous result is passed as an ObjectRef: Ray resolves it before the ranks start, so
     # launching never blocks the scheduling loop.
     rdzv = _rendezvous.options(scheduling_strategy=strategy(0)).remote()
-    return [_rank.options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
+    return [rank_task(job.spec).options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
                           num_gpus=pg.bundle_specs[i].get("GPU", 0))
             .remote(job.spec, i, job.world_size, rdzv) for i in range(job.world_size)]
 

@@ -26,3 +26,18 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
     assert time.monotonic() - t0 >= 1.0       # it did wait for the blocker, polling meanwhile
     assert job.error and "rank 0 raised" in job.error, job.error
     assert len(calls) == 2 and calls[0] == blocker.id   # the blocker's own ready(), then the job's once
+
+
+def test_framework_adapters_run_each_rank_in_a_fresh_worker_process():
+    """torch's DTensor caches redistribution plans per process under mesh keys that ignore the
+    local rank: a worker reused for rank 1 after rank 0 of another job computed rank 0's gradient
+    chunk (a clean torch_native tp2_sp check failed this way). Adapters get a fresh process per
+    rank; the built-in trainer, which keeps no such state, reuses warm workers."""
+    from orchestrator import cluster
+
+    assert cluster.rank_task({"framework": {"name": "builtin"}}) is cluster._rank
+    assert cluster.rank_task({}) is cluster._rank
+    for fw in ("torch_native", "hf", "megatron_core"):
+        assert cluster.rank_task({"framework": {"name": fw}}) is cluster._rank_fresh
+    assert cluster._rank_fresh._default_options.get("max_calls") == 1
+    assert not cluster._rank._default_options.get("max_calls")
