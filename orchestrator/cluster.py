@@ -88,12 +88,12 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str,
 
 _rank = ray.remote(max_retries=0)(_run_rank)
 # One fresh worker process per rank (max_calls=1) for the framework adapters. torch's DTensor keeps
-# redistribution plans in process-global caches keyed by device meshes that compare equal across
-# ranks, so a Ray worker reused for rank 1 after hosting rank 0 of an earlier job silently computes
-# rank 0's chunk in the backward of an all-gather (reproduced with ColwiseParallel on gloo, torch
-# 2.13: a clean tp2_sp check failed with rank 1's logits gradient equal to rank 0's). Megatron and
-# transformers keep process-global state too. The built-in trainer keeps none and reuses warm
-# workers (each fresh one pays the torch import).
+# process-global state across process groups: a Ray worker reused for rank 1 after hosting rank 0
+# of an earlier job silently takes rank 0's chunk in the backward of an all-gather (a clean
+# torch_native tp2_sp check failed with rank 1's logits gradient equal to rank 0's half; torch 2.13,
+# gloo; scripts/repro_dtensor_reused_process.py; clearing DTensor's redistribute and sharding
+# caches does not help). Megatron and transformers keep process-global state too. The built-in
+# trainer keeps none and reuses warm workers (each fresh one pays the torch import).
 _rank_fresh = ray.remote(max_retries=0, max_calls=1)(_run_rank)
 
 

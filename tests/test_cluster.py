@@ -29,9 +29,9 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
 
 
 def test_framework_adapters_run_each_rank_in_a_fresh_worker_process():
-    """torch's DTensor caches redistribution plans per process under mesh keys that ignore the
-    local rank: a worker reused for rank 1 after rank 0 of another job computed rank 0's gradient
-    chunk (a clean torch_native tp2_sp check failed this way). Adapters get a fresh process per
+    """torch's DTensor keeps per-process state across process groups: a worker reused for rank 1
+    after rank 0 of another job took rank 0's gradient chunk (a clean torch_native tp2_sp check
+    failed this way; scripts/repro_dtensor_reused_process.py). Adapters get a fresh process per
     rank; the built-in trainer, which keeps no such state, reuses warm workers."""
     from orchestrator import cluster
 
