@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,33 @@ def _tracking_uri(uri: str, base_dir: str) -> str:
 def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:
     import mlflow
 
-    mlflow.set_tracking_uri(_tracking_uri(cfg["uri"], base_dir))
-    client = mlflow.MlflowClient()
-    exp = client.get_experiment_by_name(cfg["experiment"])
-    if exp is None:
-        root = Path(base_dir, cfg.get("artifact_root") or "mlartifacts").resolve()
-        return client, client.create_experiment(cfg["experiment"], artifact_location=root.as_uri())
-    return client, exp.experiment_id
+    uri = _tracking_uri(cfg["uri"], base_dir)
+    mlflow.set_tracking_uri(uri)
+    with _sqlite_lock(uri):
+        client = mlflow.MlflowClient()   # connecting creates or migrates the schema
+        exp = client.get_experiment_by_name(cfg["experiment"])
+        if exp is None:
+            root = Path(base_dir, cfg.get("artifact_root") or "mlartifacts").resolve()
+            return client, client.create_experiment(cfg["experiment"], artifact_location=root.as_uri())
+        return client, exp.experiment_id
+
+
+@contextlib.contextmanager
+def _sqlite_lock(uri: str) -> Iterator[None]:
+    """Serialize, across processes, the first use of a local sqlite MLflow database: two sweeps
+    that create a fresh database at once race on its schema ("table experiments already exists",
+    "duplicate column name: step") and on the experiment, and one of them loses its MLflow runs
+    (found by tests/test_faults.py). The lock is a file next to the database."""
+    prefix = "sqlite:///"
+    if not uri.startswith(prefix):
+        yield
+        return
+    with open(uri[len(prefix):] + ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def start_parent(cfg: dict[str, Any], base_dir: str, name: str, tags: dict[str, str]) -> str:

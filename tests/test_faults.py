@@ -79,3 +79,26 @@ def test_two_sweeps_on_one_store_both_get_correct_verdicts(ray_cluster, workdir)
         assert sorted((r["recipe"]["bug"]["name"], r["verdict"]) for r in reps) == [
             ("none", "pass"), ("row_parallel_bias_per_rank", "fail")]
         assert all(r["mlflow_run_id"] in logged for r in reps)
+
+
+_FIRST_LOG = """
+import sys, time
+from orchestrator import tracking
+import mlflow  # noqa: F401 - imported before the start line, so all processes connect together
+time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
+client, exp = tracking._client({"uri": "sqlite:///mlflow.db", "experiment": "ttrace"}, sys.argv[2])
+print(exp)
+"""
+
+
+def test_processes_creating_one_mlflow_database_at_once_all_log(tmp_path):
+    """Three checks' first MLflow calls on a fresh sqlite database at the same moment: without the
+    lock in orchestrator.tracking, their schema migrations collide ("table experiments already
+    exists", "duplicate column name: step") and the losers' runs are lost (seen in the two-sweeps
+    test). All must succeed, in one experiment."""
+    start = time.time() + 8.0
+    procs = [subprocess.Popen([sys.executable, "-c", _FIRST_LOG, str(start), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
