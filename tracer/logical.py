@@ -1,8 +1,8 @@
 """A stored run's traced tensors in logical (reassembled) form, read from the store as they are used.
 
 `load_logical` reads the run's manifests only. A tensor is assembled when it is looked up: its
-pieces' part files are read and checksum-verified once, and the rank's next part is read ahead on
-a background thread. A part is dropped once every tensor in it has been assembled, so walking a
+pieces' part files are read and checksum-verified once, and the rank's next READ_THREADS parts are
+read ahead on background threads. A part is dropped once every tensor in it has been assembled, so walking a
 run in execution order (as the comparison does) holds a few parts per rank, not the run; a part
 looked up again later is read again.
 """
