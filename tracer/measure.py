@@ -157,14 +157,14 @@ def _leave_one_out(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _chunks(keys: Sequence[TensorKey], numel: Mapping[str, int], chunk_elems: int) -> list[list[TensorKey]]:
+def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]]:
     """Consecutive keys, ~chunk_elems elements each; a param starts a new chunk if its path's mask was
     updated (by its param_grad or an earlier step's param) within the current chunk."""
     out: list[list[TensorKey]] = []
     cur: list[TensorKey] = []
     size, written = 0, set()
     for k in keys:
-        n = numel[k.name]
+        n = k.numel
         if cur and (size + n > chunk_elems or (k.kind == "param" and k.path in written)):
             out.append(cur)
             cur, size, written = [], 0, set()
@@ -183,13 +183,12 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
     chunk in that order, and must have key.numel elements (the caller checks shapes)."""
     excusal = _Excusal(k_elem)
-    numel = {k.name: k.numel for k in keys}
     out: dict[str, TensorStats] = {}
     with _heap_keeps_chunks():
-        for chunk in _chunks(keys, numel, chunk_elems):
+        for chunk in _chunks(keys, chunk_elems):
             names = [k.name for k in chunk]
             runs = [{n: run[n] for n in names} for run in (reference, candidate, *perturbed)]
-            out.update(_measure_chunk(chunk, numel, runs[0], runs[1], runs[2:], excusal))
+            out.update(_measure_chunk(chunk, runs[0], runs[1], runs[2:], excusal))
     return out
 
 
@@ -225,14 +224,14 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def _measure_chunk(chunk: Sequence[TensorKey], numel: Mapping[str, int],
+def _measure_chunk(chunk: Sequence[TensorKey],
                    reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor],
                    perturbed: Sequence[Mapping[str, torch.Tensor]],
                    excusal: _Excusal) -> dict[str, TensorStats]:
     names = [k.name for k in chunk]
     wide = any(run[n].dtype == torch.float64 for run in (reference, candidate, *perturbed) for n in names)
     dtype = torch.float64 if wide else torch.float32
-    blocks = _Blocks([numel[n] for n in names])
+    blocks = _Blocks([k.numel for k in chunk])
     lengths = torch.tensor(blocks.lens, dtype=torch.float64)
     zero = torch.zeros(len(names), dtype=torch.float64)
 
@@ -255,13 +254,13 @@ def _measure_chunk(chunk: Sequence[TensorKey], numel: Mapping[str, int],
         for i, k in params:
             sl = blocks.slice(i)
             dev = excusal.grad_dev.get(k.path)
-            if ps and dev is not None and dev[0].numel() == numel[k.name]:
+            if ps and dev is not None and dev[0].numel() == k.numel:
                 c_dg, p_dg = (x.to(dtype) for x in dev)
                 gain = torch.where(p_dg > 0, flat(env_full)[sl] / p_dg.clamp_min(tiny), 0.0)
                 diff = diff_full[sl]
                 excusal.add(k.path, (diff > 0) & (c_dg > 0) & (diff <= excusal.k * gain * c_dg))
             mask = excusal.masks.get(k.path)
-            if mask is not None and mask.numel() == numel[k.name]:
+            if mask is not None and mask.numel() == k.numel:
                 flat(judged)[sl] = ~mask
                 excused[i] = float(mask.sum())
         counts = lengths - torch.tensor(excused, dtype=torch.float64)
@@ -325,7 +324,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], numel: Mapping[str, int],
     # excusal is measured against (unmasked: a gradient is always judged whole).
     if ps:
         for i, k in enumerate(chunk):
-            if k.kind != "param_grad" or not numel[k.name]:
+            if k.kind != "param_grad" or not k.numel:
                 continue
             sl = blocks.slice(i)
             e = env_full.view(-1)[sl]

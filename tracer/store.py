@@ -12,6 +12,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import math
 import queue
 import struct
 import threading
@@ -166,7 +167,7 @@ def _safetensors_views(data: bytearray, path: str) -> dict[str, torch.Tensor]:
         for i, (key, h) in enumerate(entries):
             start, end = h["data_offsets"]
             dtype = _ST_DTYPES[h["dtype"]]
-            if end > len(data) - 8 - n or end - start != _numel(h["shape"]) * dtype.itemsize:
+            if end > len(data) - 8 - n or end - start != math.prod(h["shape"]) * dtype.itemsize:
                 raise ValueError(f"tensor '{key}' overruns the file or mismatches its shape")
             run.append((key, h, dtype))
             nxt = entries[i + 1][1] if i + 1 < len(entries) else None
@@ -184,18 +185,12 @@ def _typed_run(data: bytearray, base: int, run: list[tuple[str, dict[str, Any], 
     """Views of back-to-back tensors of one dtype."""
     dtype = run[0][2]
     begin = run[0][1]["data_offsets"][0]
-    sizes = [_numel(h["shape"]) for _, h, _ in run]
+    sizes = [math.prod(h["shape"]) for _, h, _ in run]
     total = sum(sizes)
     flat = (torch.frombuffer(data, dtype=dtype, count=total, offset=base + begin) if total
             else torch.empty(0, dtype=dtype))
     return {key: piece.view(h["shape"]) for (key, h, _), piece in zip(run, flat.split(sizes), strict=True)}
 
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @contextlib.contextmanager
