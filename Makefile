@@ -51,7 +51,7 @@ bench-faults: setup
 	$(BIN)/python bench/faults.py $(BENCH_ARGS)
 
 lint: setup
-	$(BIN)/ruff check tracer orchestrator workloads tests
+	$(BIN)/ruff check tracer orchestrator workloads tests examples bench
 
 ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

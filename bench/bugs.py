@@ -59,7 +59,7 @@ def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> d
     jobs: dict[str, cluster.Job] = {}
 
     def job(key: str, rec: dict[str, Any]) -> None:
-        spec = recipe.job_spec(rec, run=key, store_url="")
+        spec = recipe.job_spec(rec, role="candidate", run=key, store_url="")
         spec["trace"]["enabled"], spec["steps"] = False, steps
         jobs[key] = cluster.Job(key, spec, int(rec["parallel"]["world_size"]), label="loss curve",
                                 timeout_s=float(rec["timeout_s"]) + steps)
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="recipe overrides applied to every check")
     args = ap.parse_args()
     # Default: the BUGS.md catalog in the built-in trainer (framework bugs have their own tests).
-    builtin = [name for name, bug in CATALOG.items() if bug.framework == "builtin"]
+    builtin = [name for name, bug in CATALOG.items() if bug.job == "builtin"]
     bugs = [b for b in args.bugs.split(",") if b] or builtin
     unknown = [b for b in bugs if b not in CATALOG]
     if unknown:

@@ -40,43 +40,47 @@ def _spec(overrides: list[str], store: str, run: str, *, trace: bool = True,
     from orchestrator.recipe import compose, job_spec
 
     rec = compose(["parallel=single", *overrides])
-    spec = job_spec(rec, run=run, store_url=store, perturb_seed=perturb_seed)
+    spec = job_spec(rec, role="perturbed" if perturb_seed else "candidate", run=run, store_url=store,
+                    perturb=perturb_seed)
     spec["trace"]["enabled"] = trace
     return spec
 
 
-class _TimedTracer:
-    """Delegates to the real (or disabled) tracer and times each `step` block."""
+def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float]) -> Any:
+    """The job's session (tracing on or off), timing each `step` block."""
+    import contextlib
 
-    def __init__(self, inner: Any, times: list[float]):
-        self._inner, self._times = inner, times
+    from tracer.job import JobConfig, Session
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+    class TimedSession(Session):
+        def step(self, step: int) -> Any:
+            @contextlib.contextmanager
+            def timed():
+                t0 = time.perf_counter()
+                with Session.step(self, step):
+                    yield
+                times.append(time.perf_counter() - t0)
+            return timed()
 
-    def step(self, step: int) -> Any:
-        import contextlib
-
-        @contextlib.contextmanager
-        def timed():
-            t0 = time.perf_counter()
-            with self._inner.step(step):
-                yield
-            self._times.append(time.perf_counter() - t0)
-        return timed()
+    return TimedSession(JobConfig.from_spec(spec, env=env))
 
 
 def _train(specs: list[dict[str, Any]], q: Any) -> None:
-    """Child process: run each single-rank job in turn; report step times, wall and peak RSS."""
+    """Child process: run each single-rank job in turn (the built-in job's entrypoint, as ttrace's
+    launcher calls it); report step times, wall and peak RSS."""
+    import os
+
     from orchestrator.cluster import free_port
     from workloads import train
 
     out = []
     for spec in specs:
         times: list[float] = []
-        factory = lambda cfg, ps, times=times: _TimedTracer(train._default_tracer(cfg, ps), times)
+        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port("127.0.0.1"))}
+        os.environ.update(env)
         t0 = time.perf_counter()
-        train.run_rank(spec, 0, 1, "127.0.0.1", free_port("127.0.0.1"), tracer_factory=factory)
+        train.main(_timed_session(spec, env, times))
         out.append({"steps": times, "wall": time.perf_counter() - t0})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 

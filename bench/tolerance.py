@@ -86,11 +86,12 @@ def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...
                 url = str(store / f"{prec}-s{seed}")
                 rec = recipe.compose([f"precision={prec}", f"seed={seed}", "tracking.enabled=false"])
                 single = recipe.SINGLE_DEVICE
-                runs = [("reference", dict(parallel=single), 1)]
-                runs += [(f"perturbed-{i}", dict(parallel=single, perturb_seed=i + 1), 1) for i in range(R)]
+                runs = [("reference", dict(parallel=single, role="reference"), 1)]
+                runs += [(f"perturbed-{i}", dict(parallel=single, role="perturbed", perturb=i + 1), 1)
+                         for i in range(R)]
                 for par in parallels(seed):
                     prec_rec = recipe.compose([f"precision={prec}", f"seed={seed}", f"parallel={par}"])
-                    runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"]),
+                    runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"], role="candidate"),
                                  int(prec_rec["parallel"]["world_size"])))
                 for run, kw, world in runs:
                     if not _complete(url, run, world):

@@ -10,6 +10,7 @@ reuses it, and checks of one sweep that share a key compute it once.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import uuid
@@ -23,6 +24,7 @@ from orchestrator import cluster, recipe, storage, tracking
 from tracer.compare import Comparison, compare
 from tracer.errors import TTraceError
 from tracer.isolation import localize
+from tracer.job import run_name
 from tracer.logical import LogicalTrace, load_logical
 from tracer.store import read_run
 from tracer.tolerance import TolerancePolicy
@@ -55,6 +57,7 @@ class _RefSet:
     jobs: list[cluster.Job] = field(default_factory=list)
     computed_by: str = ""         # check_id whose plan computed it
     error: str | None = None
+    why_off: str | None = None    # why a stored entry may not be reused (recipe.cacheable)
 
 
 @dataclass
@@ -70,6 +73,7 @@ class _Planned:
     error: str | None = None
     comparison: Comparison | None = None
     loaded: tuple[LogicalTrace, list[LogicalTrace]] | None = None   # reference, perturbed
+    base_dir: str = ""
 
 
 def run_check(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
@@ -82,7 +86,7 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     """Run several checks together on one Ray cluster; results in the order of `items`."""
     plans = [_plan(rec, out, base_dir) for rec, out in items]
     live = [p for p in plans if p.error is None]
-    refsets = _share_references(live)
+    refsets = _share_references(live, base_dir)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
     if jobs:
         try:
@@ -115,25 +119,33 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
 def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> _Planned:
     check_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     p = _Planned(rec, output_dir, check_id, {"check_id": check_id, "recipe": rec, "timings": {}},
-                 time.perf_counter())
+                 time.perf_counter(), base_dir=base_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
-        recipe.validate(rec)
+        recipe.validate(rec, base_dir)
+        p.report["job"] = {k: v for k, v in recipe.job_of(rec, base_dir).items() if k != "env"}
         opts = storage.options(rec["store"])
         root = recipe.resolve_url(rec["store"]["url"], base_dir).rstrip("/")
         storage.preflight(root, opts)
         p.store_url = f"{root}/{check_id}"
         p.report["store"] = p.store_url
         world = int(rec["parallel"]["world_size"])
-        p.candidate = cluster.Job("candidate", recipe.job_spec(rec, run="candidate", store_url=p.store_url),
-                                  world, label=check_id, timeout_s=float(rec["timeout_s"]),
+        spec = recipe.job_spec(rec, role="candidate", store_url=p.store_url, base_dir=base_dir,
+                               log=_log_dir(output_dir, "candidate"))
+        p.candidate = cluster.Job("candidate", spec, world, label=check_id, timeout_s=float(rec["timeout_s"]),
                                   error_dir=output_dir / "errors")
     except TTraceError as e:
         p.error = str(e)
     return p
 
 
-def _share_references(plans: list[_Planned]) -> list[_RefSet]:
+def _log_dir(output_dir: Path, run: str) -> dict[str, Any]:
+    """Where a job's ranks write their stdout and stderr (orchestrator/jobs.py): the check directory,
+    when the rank runs on this node."""
+    return {"dir": str((output_dir / "logs" / run).resolve())}   # cluster.run_jobs adds this node's id
+
+
+def _share_references(plans: list[_Planned], base_dir: str) -> list[_RefSet]:
     """Attach a reference set to every plan: a complete cache entry, or one computation per key."""
     computing: dict[str, _RefSet] = {}
     for p in plans:
@@ -143,19 +155,22 @@ def _share_references(plans: list[_Planned]) -> list[_RefSet]:
         if key in computing and computing[key].entry_url == entry:
             p.refs = computing[key]
             continue
-        use_cache = bool(p.rec.get("cache", True))
-        found = _lookup(entry) if use_cache else None
+        not_cached = recipe.cacheable(p.rec)
+        found = _lookup(entry) if not_cached is None else None
         if found is not None:
             p.refs = found
             continue
         attempt = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         R = int(p.rec["tolerance"]["perturbations"])
-        runs = ["reference"] + [f"perturbed-{i}" for i in range(R)]
-        rs = _RefSet(key, entry, f"{entry}/{attempt}", runs, "miss" if use_cache else "off",
-                     computed_by=p.check_id)
-        ref = dict(parallel=recipe.SINGLE_DEVICE, bug="none")
-        for i, run in enumerate(runs):
-            spec = recipe.job_spec(p.rec, run=run, store_url=rs.url, perturb_seed=i or None, **ref)
+        runs = ["reference"] + [run_name("perturbed", r) for r in range(1, R + 1)]
+        rs = _RefSet(key, entry, f"{entry}/{attempt}", runs, "miss" if not_cached is None else "off",
+                     computed_by=p.check_id, why_off=not_cached)
+        for r, run in enumerate(runs):
+            # The reference runs the candidate's job on one device (the built-in catalog's switches
+            # off: issue 14 makes the reference run the candidate's code there too).
+            spec = recipe.job_spec(p.rec, role="perturbed" if r else "reference", perturb=r or None,
+                                   store_url=rs.url, parallel=recipe.SINGLE_DEVICE, bug="none",
+                                   base_dir=base_dir, log=_log_dir(p.output_dir, run))
             timeout = float(p.rec["timeout_s"])
             rs.jobs.append(cluster.Job(run, spec, 1, label=f"ref {key[:8]}", timeout_s=timeout,
                                        error_dir=p.output_dir / "errors"))
@@ -211,7 +226,10 @@ def _judge(p: _Planned) -> None:
         report["reference"] = {"key": rs.key, "cache": rs.cache if rs.computed_by in ("", p.check_id)
                                or rs.cache == "hit" else "shared",
                                "url": rs.url, "computed_by": rs.computed_by}
+        if rs.why_off:
+            report["reference"]["not_stored_for_reuse"] = rs.why_off
         timings["jobs"] = {j.name: j.seconds for j in ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]}
+        _keep_logs(p, ([] if rs.cache == "hit" else rs.jobs) + [p.candidate])
         failed = [e for e in (rs.error, p.candidate.error) if e]
         if failed:
             raise TTraceError("; ".join(failed))
@@ -229,20 +247,36 @@ def _judge(p: _Planned) -> None:
         p.error, p.comparison = str(e), None
 
 
+def _keep_logs(p: _Planned, jobs: list[cluster.Job]) -> None:
+    """report["logs"]: every rank's log of the check's jobs, relative to the check directory (a rank on
+    another node sent its text back with its result)."""
+    logs = p.report.setdefault("logs", {})
+    for job in jobs:
+        paths = []
+        for res in job.results:
+            if res.get("warning"):
+                p.report.setdefault("warnings", []).append(f"job '{job.name}': {res['warning']}")
+            log = res.get("log") or {}
+            path = Path(log["path"]) if log.get("path") else None
+            if path is None and log.get("text") is not None:
+                path = Path(_log_dir(p.output_dir, job.name)["dir"]) / f"rank{res['rank']:05d}.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(log["text"])
+            if path is not None:
+                paths.append(os.path.relpath(path, p.output_dir.resolve()))
+        if not paths:   # a failed job: whatever its ranks wrote before they stopped
+            d = Path(_log_dir(p.output_dir, job.name)["dir"])
+            paths = [os.path.relpath(f, p.output_dir.resolve()) for f in sorted(d.glob("rank*.log"))]
+        if paths:
+            logs[job.name] = paths
+
+
 def _wants_isolation(p: _Planned) -> bool:
     """`localize: true` (default): on a failed check; `always`: also on a pass (a self-check of the
     isolation pass, which must then flag nothing); `false`: never."""
-    from workloads.frameworks import supports_isolation
-
     mode = p.rec.get("localize", True)
     assert p.comparison is not None
-    wanted = mode == "always" or (mode is True and p.comparison.verdict == "fail")
-    if wanted and not supports_isolation(p.rec):
-        fw = p.rec["framework"]["name"]
-        p.report["localization_error"] = (f"no isolation pass for framework={fw} yet: the first divergence "
-                                          "is what is reported")
-        return False
-    return wanted
+    return mode == "always" or (mode is True and p.comparison.verdict == "fail")
 
 
 def _isolate(plans: list[_Planned], progress: bool = False) -> None:
@@ -252,8 +286,9 @@ def _isolate(plans: list[_Planned], progress: bool = False) -> None:
     jobs = []
     for p in plans:
         assert p.refs is not None and p.candidate is not None
-        spec = recipe.job_spec(p.rec, run="isolated", store_url=p.store_url)
-        spec["trace"]["isolate"] = {"url": p.refs.url, "run": "reference"}
+        spec = recipe.job_spec(p.rec, role="isolated", store_url=p.store_url,
+                               reference=f"{p.refs.url}/reference", base_dir=p.base_dir,
+                               log=_log_dir(p.output_dir, "isolated"))
         jobs.append(cluster.Job("isolated", spec, p.candidate.world_size, label=p.check_id,
                                 timeout_s=float(p.rec["timeout_s"]), error_dir=p.output_dir / "errors"))
     if not jobs:
@@ -272,6 +307,7 @@ def _isolate(plans: list[_Planned], progress: bool = False) -> None:
     for p, job in zip(plans, jobs, strict=True):
         assert p.comparison is not None and p.loaded is not None
         try:
+            _keep_logs(p, [job])
             if job.error:
                 raise TTraceError(job.error)
             t1 = time.perf_counter()
@@ -290,6 +326,63 @@ def _isolate(plans: list[_Planned], progress: bool = False) -> None:
             p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
         finally:
             p.loaded = None
+
+
+def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: str, *,
+                   reference: str = "reference", candidate: str = "candidate",
+                   perturbed: list[str] | None = None, isolated: str | None = None) -> CheckResult:
+    """The comparison stage alone, for runs traced anywhere (e.g. torchrun on a Slurm cluster that never
+    saw Ray) into one store: world sizes and layouts from the manifests, the perturbed runs by name
+    (default: every `perturbed-*` run), the isolation pass's run when there is one (default:
+    `isolated`, if present). Same report, MLflow run and verdict as a check."""
+    from tracer.store import configure, runs_in, world_size_of
+
+    check_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"check_id": check_id, "recipe": rec, "timings": {}, "store": root, "source": "ttrace compare"}
+    p = _Planned(rec, output_dir, check_id, report, time.perf_counter(), base_dir=base_dir)
+    try:
+        configure(storage.options(rec.get("store") or {"url": root}))
+        present = runs_in(root)
+        if perturbed is None:
+            perturbed = sorted((r for r in present if r.startswith("perturbed-")),
+                               key=lambda r: (len(r), r))
+        if not perturbed:
+            raise TTraceError(f"no perturbed reference run under {root} (runs present: {present or 'none'}): "
+                              "the tolerance is estimated from them; launch the job R >= 2 more times on one "
+                              "device with TTRACE_ROLE=perturbed TTRACE_PERTURB=1, 2, ... "
+                              "(README, `ttrace compare`)")
+        if isolated is None and "isolated" in present:
+            isolated = "isolated"
+        t0 = time.perf_counter()
+        ref = load_logical(root, reference, world_size_of(root, reference), lazy=True)
+        pert = [load_logical(root, r, world_size_of(root, r), lazy=True) for r in perturbed]
+        world = world_size_of(root, candidate)
+        cand = load_logical(root, candidate, world, lazy=True)
+        meta = cand.meta
+        rec["parallel"] = {"name": meta.get("parallel") or f"world{world}", "world_size": world}
+        rec["bug"] = {"name": meta.get("bug") or "none"}
+        p.report["job"] = {"label": meta.get("job") or "script"}
+        p.report["reference"] = {"url": root, "cache": "external", "key": "",
+                                 "runs": {"reference": reference, "perturbed": perturbed,
+                                          "candidate": candidate, "isolated": isolated}}
+        policy = TolerancePolicy.from_config(rec["tolerance"])
+        p.comparison = compare(ref, cand, pert, policy)
+        p.report["timings"]["compare"] = time.perf_counter() - t0
+        p.report.update(p.comparison.to_json())
+        if isolated and p.comparison.verdict == "fail":
+            try:
+                local = compare(load_logical(root, reference, world_size_of(root, reference), lazy=True),
+                                load_logical(root, isolated, world_size_of(root, isolated), lazy=True),
+                                [load_logical(root, r, world_size_of(root, r), lazy=True) for r in perturbed],
+                                policy)
+                p.report.update(localize(p.comparison, local))
+            except TTraceError as e:
+                p.report["localization_error"] = (f"isolation run '{isolated}' not usable (the verdict "
+                                                   f"stands): {e}")
+    except TTraceError as e:
+        p.error, p.comparison = str(e), None
+    return _finish(p, base_dir, None)
 
 
 def _finish(p: _Planned, base_dir: str, parent_run_id: str | None) -> CheckResult:

@@ -1,5 +1,6 @@
-"""`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace report <run-or-path>`: a summary;
-`ttrace bugs`: the bug catalog; `ttrace nightly`: the regression suite.
+"""`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace compare STORE`: judge runs traced
+elsewhere; `ttrace report <run-or-path>`: a summary; `ttrace bugs`: the bug catalog; `ttrace nightly`:
+the regression suite.
 
 Exit 0 pass, 1 divergence, 2 error (a sweep exits with the worst of its checks).
 
@@ -21,17 +22,21 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from orchestrator.check import CheckResult, run_check, run_checks
-from orchestrator.recipe import to_dict
+from orchestrator.recipe import RECIPES, to_dict
 
-RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
 _results: list[CheckResult] = []
 _pending: list[tuple[dict, Path]] = []     # a sweep's composed recipes, run together after composition
 _base_dir: list[str] = []
 
 
-def _summary(result: CheckResult) -> str:
-    rec, rep = result.report["recipe"], result.report
-    what = f"parallel={rec['parallel']['name']} bug={rec['bug']['name']}"
+def summary(result: CheckResult) -> str:
+    """The one-line account of a check on the terminal (a FAIL adds its culprit on a second line)."""
+    rep = result.report
+    rec = rep.get("recipe") or {}
+    job = (rep.get("job") or {}).get("label", "builtin")
+    what = " ".join(x for x in (f"job={job}" if job != "builtin" else "",
+                                f"parallel={(rec.get('parallel') or {}).get('name')}",
+                                f"bug={(rec.get('bug') or {}).get('name')}") if x)
     if result.verdict == "error":
         return f"ttrace: ERROR ({what}): {result.message}"
     fd = rep.get("first_divergence")
@@ -67,7 +72,9 @@ def report_paths(stdout: str, cwd: Path | None = None) -> list[Path]:
 
 def _emit(result: CheckResult) -> None:
     _results.append(result)
-    print(_summary(result), file=sys.stderr if result.verdict == "error" else sys.stdout, flush=True)
+    print(summary(result), file=sys.stderr if result.verdict == "error" else sys.stdout, flush=True)
+    for warning in result.report.get("warnings", []):
+        print(f"ttrace: warning: {warning}", file=sys.stderr, flush=True)
     print(f"{REPORT_LINE}{result.report_path}", flush=True)
 
 
@@ -80,6 +87,10 @@ def main() -> None:
         from orchestrator.catalog import main as bugs_main
 
         sys.exit(bugs_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        from orchestrator.compare_cli import main as compare_main
+
+        sys.exit(compare_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "nightly":
         from orchestrator.nightly import main as nightly_main
 

@@ -27,8 +27,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tracer.errors import ConfigError
+from tracer.errors import ConfigError, JobError
 
+BUILTIN_ENTRYPOINT = "workloads.train:main"   # the built-in trainer (orchestrator.recipe.job_of)
 MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
 FAILURE_GRACE_S = 3.0
 
@@ -48,6 +49,11 @@ def ensure_ray(cluster: dict[str, Any]) -> float:
             ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
                      log_to_driver=False, logging_level="ERROR")
     return time.perf_counter() - t0
+
+
+def node_id() -> str | None:
+    """This process's Ray node (a rank on the same node writes its log straight into the check dir)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def free_port(host: str = "") -> int:
@@ -78,28 +84,31 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int]) -> dict[str, Any]:
-    from orchestrator import storage
-    from workloads.train import run_rank
+def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
+              local: tuple[int, int]) -> dict[str, Any]:
+    from orchestrator.jobs import run_rank
 
-    storage.configure((spec.get("trace") or {}).get("storage"))   # S3 endpoint/timeouts; no credentials
-    return run_rank(spec, rank, world_size, *rdzv)
+    return run_rank(spec, rank, world_size, *rdzv, *local)
 
 
 _rank = ray.remote(max_retries=0)(_run_rank)
-# One fresh worker process per rank (max_calls=1) for the framework adapters. torch's DTensor keeps
-# process-global state across process groups: a Ray worker reused for rank 1 after hosting rank 0
-# of an earlier job silently takes rank 0's chunk in the backward of an all-gather (a clean
-# torch_native tp2_sp check failed with rank 1's logits gradient equal to rank 0's half; torch 2.13,
-# gloo; scripts/repro_dtensor_reused_process.py; clearing DTensor's redistribute and sharding
-# caches does not help). Megatron and transformers keep process-global state too. The built-in
-# trainer keeps none and reuses warm workers (each fresh one pays the torch import).
+# One fresh worker process per rank (max_calls=1) for in-process jobs other than the built-in trainer.
+# torch's DTensor keeps process-global state across process groups: a Ray worker reused for rank 1
+# after hosting rank 0 of an earlier job silently takes rank 0's chunk in the backward of an
+# all-gather (a clean torch_native tp2_sp check failed with rank 1's logits gradient equal to rank
+# 0's half; torch 2.13, gloo; scripts/repro_dtensor_reused_process.py; clearing DTensor's
+# redistribute and sharding caches does not help). Megatron and transformers keep process-global
+# state too, and so may any user entrypoint. The built-in trainer keeps none and reuses warm
+# workers (each fresh one pays the torch import); a command job runs in a child process of its own.
 _rank_fresh = ray.remote(max_retries=0, max_calls=1)(_run_rank)
 
 
 def rank_task(spec: dict[str, Any]) -> Any:
-    """The remote function a job's ranks run: a fresh process each unless the trainer is built in."""
-    return _rank if (spec.get("framework") or {}).get("name", "builtin") == "builtin" else _rank_fresh
+    """The remote function a job's ranks run: a fresh process each unless the job is the built-in
+    trainer or a command (whose rank is a child process anyway)."""
+    job = spec.get("job") or {}
+    reuse = bool(job.get("command")) or job.get("entrypoint") == BUILTIN_ENTRYPOINT
+    return _rank if reuse else _rank_fresh
 
 
 @dataclass
@@ -132,6 +141,10 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
             raise ConfigError(f"job '{job.name}' needs {job.world_size} ranks x {cpus_per_rank} CPUs but "
                               f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
                               "larger cluster (cluster.address)")
+    here = node_id()
+    for job in jobs:   # a rank on the driver's node writes its log where the driver will look
+        if isinstance(job.spec.get("log"), dict) and not job.spec["log"].get("node"):
+            job.spec["log"]["node"] = here
     notify = (lambda: on_change(jobs)) if on_change else (lambda: None)
     def reserve(job: Job) -> tuple[Any, ray.ObjectRef]:
         """The job's placement group and the one ObjectRef that resolves when it is ready. Asked for
@@ -214,9 +227,20 @@ def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
     # The rendezvous result is passed as an ObjectRef: Ray resolves it before the ranks start, so
     # launching never blocks the scheduling loop.
     rdzv = _rendezvous.options(scheduling_strategy=strategy(0)).remote()
+    local = _local_ranks(pg, job.world_size)
     return [rank_task(job.spec).options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
                           num_gpus=pg.bundle_specs[i].get("GPU", 0))
-            .remote(job.spec, i, job.world_size, rdzv) for i in range(job.world_size)]
+            .remote(job.spec, i, job.world_size, rdzv, local[i]) for i in range(job.world_size)]
+
+
+def _local_ranks(pg: Any, world_size: int) -> list[tuple[int, int]]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) of every rank: its index among the job's bundles on its node."""
+    try:
+        nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+    except Exception:
+        nodes = {}
+    node = [nodes.get(i, "") for i in range(world_size)]
+    return [(node[:i].count(node[i]), node.count(node[i])) for i in range(world_size)]
 
 
 def _failed(ref: ray.ObjectRef) -> bool:
@@ -241,15 +265,22 @@ def _failures(job: Job, refs: list[ray.ObjectRef], done: list[ray.ObjectRef], pe
             error_dir.mkdir(parents=True, exist_ok=True)
             path = error_dir / f"{job.name}-rank{rank}.txt"
             path.write_text(str(e))
+            if isinstance(cause, JobError):   # the launcher's own account: the rank, its exit, its stderr
+                msgs.append((_secondary(str(cause)), f"{cause} (details: {path})"))
+                continue
             last = "".join(traceback.format_exception_only(type(cause), cause)).strip().splitlines()[-1]
-            # A peer's failure surfaces as a collective error on the other ranks: list those last.
-            secondary = any(w in last for w in ("gloo", "NCCL", "Connection closed by peer"))
+            secondary = _secondary(last)
             msgs.append((secondary, f"rank {rank} raised {last} (traceback: {path})"))
         except ray.exceptions.RayError as e:  # worker crashed, node lost, ...
             msgs.append((False, f"rank {rank}'s worker process died ({type(e).__name__})"))
     stuck = [refs.index(r) for r in pending]
     tail = f"; rank(s) {stuck} were still running and were cancelled" if stuck else ""
     return f"job '{job.name}' failed: " + "; ".join(m for _, m in sorted(msgs, key=lambda m: m[0])) + tail
+
+
+def _secondary(text: str) -> bool:
+    """A peer's failure surfaces as a collective error on the other ranks: those are listed last."""
+    return any(w in text for w in ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
 
 
 def _finish(running: dict[int, Any], key: int, cancel: bool = False) -> None:

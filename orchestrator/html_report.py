@@ -68,6 +68,17 @@ def _panel(title: str, ts: list[dict[str, Any]], first: str | None, culprit: str
     return "".join(out)
 
 
+def _logs(report: dict[str, Any]) -> str:
+    """Links to every rank's stdout and stderr (relative to this page, in the check directory)."""
+    logs = report.get("logs") or {}
+    if not logs:
+        return ""
+    link = lambda path: f'<a href="{html.escape(path)}">{html.escape(path.rsplit("/", 1)[-1])}</a>'
+    items = " &middot; ".join(f"{html.escape(run)}: " + ", ".join(link(p) for p in paths)
+                              for run, paths in logs.items())
+    return f'<p id="logs">rank logs (stdout and stderr) &mdash; {items}</p>'
+
+
 def render(report: dict[str, Any]) -> str:
     rec = report.get("recipe", {})
     tensors = report.get("tensors", [])
@@ -75,7 +86,9 @@ def render(report: dict[str, Any]) -> str:
     first = fd["name"] if fd else None
     c = report.get("culprit") or {}
     culprit = c.get("name") if c.get("resolved") else None
-    what = f"parallel={rec.get('parallel', {}).get('name')} bug={rec.get('bug', {}).get('name')}"
+    job = (report.get("job") or {}).get("label", "builtin")
+    what = (f"job={job} " if job != "builtin" else "") + \
+        f"parallel={rec.get('parallel', {}).get('name')} bug={rec.get('bug', {}).get('name')}"
     verdict = report.get("verdict", "error")
     ref = report.get("reference") or {}
     if verdict == "error":
@@ -117,6 +130,7 @@ th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.first
 <p>reference cache: {html.escape(str(ref.get("cache", "-")))} (key {html.escape(str(ref.get("key", "-")))})
 &middot; precision {html.escape(str(rec.get("precision", {}).get("name")))} &middot; steps {rec.get("steps")}
 &middot; R = {rec.get("tolerance", {}).get("perturbations")}</p>
+{_logs(report)}
 <h2>Divergence profile (relative error, dots; tolerance, line; log scale)</h2>
 <div id="plots">{panels}</div>
 <h2>Tensors <small>(click a header to sort)</small></h2>

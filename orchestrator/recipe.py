@@ -1,10 +1,15 @@
-"""Recipe -> job specs. A check runs one reference, R perturbed references and one candidate."""
+"""Recipe -> job specs. A check runs one reference, R perturbed references and one candidate, all of
+them one job (`job.entrypoint` or `job.command`, orchestrator/jobs.py) in different roles."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
+import shutil
+import sys
+from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -13,9 +18,32 @@ from omegaconf import DictConfig, OmegaConf
 
 from tracer.errors import ConfigError
 
+RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
 SINGLE_DEVICE = {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False}
 # Recipe parts that must be identical for a reference to be valid for a candidate.
-REFERENCE_KEYS = ("framework", "model", "precision", "data", "optim", "steps", "seed")
+REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed")
+BUILTIN_ENTRYPOINT = "workloads.train:main"
+OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
+
+
+def job_of(recipe: dict[str, Any], base_dir: str | None = None) -> dict[str, Any]:
+    """The recipe's job section, complete: the built-in trainer when it sets neither an entrypoint nor
+    a command, `label` for reports, `own` for the jobs shipped with ttrace, and `workdir` resolved
+    from the directory ttrace was started in."""
+    from orchestrator.schema import Job
+
+    job = {**asdict(Job()), **(recipe.get("job") or {})}
+    if job["entrypoint"] and job["command"]:
+        raise ConfigError(f"job.entrypoint={job['entrypoint']} and job.command={job['command']!r} are both "
+                          "set (a job=<option> sets an entrypoint); set one of them")
+    if not job["entrypoint"] and not job["command"]:
+        job["entrypoint"], job["name"] = BUILTIN_ENTRYPOINT, job["name"] or "builtin"
+    job["label"] = str(job["name"] or job["command"] or job["entrypoint"])
+    job["own"] = bool(job["entrypoint"]) and str(job["entrypoint"]).startswith(OWN_JOBS)
+    if base_dir is not None:
+        job["workdir"] = resolve_url(str(job["workdir"] or "."), base_dir) if not job["own"] else None
+    job["env"] = {str(k): str(v) for k, v in (job["env"] or {}).items()}
+    return job
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -34,7 +62,10 @@ def resolve_url(url: str, base_dir: str) -> str:
 
 def fingerprint(recipe: dict[str, Any]) -> str:
     """Content key of everything a reference run depends on."""
-    key = json.dumps({k: recipe.get(k) for k in REFERENCE_KEYS}, sort_keys=True)
+    parts = {k: recipe.get(k) for k in REFERENCE_KEYS}
+    parts["job"] = {k: v for k, v in job_of(recipe).items()
+                    if k in ("entrypoint", "command", "env", "version")}
+    key = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -57,37 +88,60 @@ def _source_hash() -> str:
 def reference_key(recipe: dict[str, Any]) -> str:
     """Content key of a check's reference and perturbed references (the reference cache's key):
     the recipe parts a reference depends on, the number R of perturbed references, the traced
-    selection and the code version."""
+    selection and the code version (ttrace's own jobs: the hash of tracer/ and workloads/; a user
+    job: `job.version`, see `cacheable`)."""
+    job = job_of(recipe)
+    code = code_version() if job["own"] else f"{code_version()}/{job['version']}"
     key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(recipe["tolerance"]["perturbations"]),
-                      "trace": recipe.get("trace"), "code": code_version()}, sort_keys=True, default=str)
+                      "trace": recipe.get("trace"), "code": code}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
-def job_spec(recipe: dict[str, Any], *, run: str, store_url: str, parallel: dict[str, Any] | None = None,
-             bug: str | None = None, perturb_seed: int | None = None) -> dict[str, Any]:
-    """The plain dict a rank receives (see workloads.train.run_rank)."""
+def cacheable(recipe: dict[str, Any]) -> str | None:
+    """Why a stored reference may NOT be reused across ttrace runs (None: it may). ttrace cannot hash a
+    user's code (a script imports whatever it likes), so a user job's reference is stored for reuse
+    only under the code version it declares (`job.version`, e.g. a git sha); checks of one sweep
+    still share one computation."""
+    job = job_of(recipe)
+    if not recipe.get("cache", True):
+        return "cache=false"
+    if not job["own"] and not job["version"]:
+        return "a user job without job.version (set it, e.g. to a git sha, to reuse references across runs)"
+    return None
+
+
+def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | None = None,
+             parallel: dict[str, Any] | None = None, bug: str | None = None, perturb: int | None = None,
+             reference: str | None = None, base_dir: str | None = None,
+             log: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plain dict a rank receives (as TTRACE_SPEC, tracer/job.py)."""
     from orchestrator.storage import options as store_options
+    from tracer.job import run_name
 
     return {
-        "framework": recipe.get("framework") or {"name": "builtin"},
+        "job": job_of(recipe, base_dir),
         "model": recipe["model"], "precision": recipe["precision"], "data": recipe["data"],
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
-        "trace": {"store_url": store_url, "run": run, "perturb_seed": perturb_seed, "enabled": True,
+        "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
+                  "perturb": perturb, "reference": reference, "enabled": True,
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
         "timeout_s": recipe["timeout_s"],
         # Faults are injected into the candidate only: the reference must stay trustworthy.
-        "fault": recipe.get("fault") if run == "candidate" else None,
+        "fault": recipe.get("fault") if role == "candidate" else None,
+        "log": log or {},
     }
 
 
-def validate(recipe: dict[str, Any]) -> None:
-    """Raise ConfigError for any recipe the workload cannot run, before anything is scheduled."""
-    from workloads.config import validate as validate_spec
+def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
+    """Raise ConfigError for any recipe that cannot run, before anything is scheduled: an unknown key,
+    a job that cannot be found, a spec its job refuses (ttrace's own jobs validate theirs)."""
+    from orchestrator import schema
 
+    schema.check(recipe)
     if int(recipe.get("steps", 0)) < 1:
         raise ConfigError(f"steps={recipe.get('steps')}: a check needs at least one training step")
     tol = recipe["tolerance"]
@@ -97,21 +151,65 @@ def validate(recipe: dict[str, Any]) -> None:
     if recipe.get("localize", True) not in (True, False, "always"):
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")
-    spec = job_spec(recipe, run="validate", store_url="")
-    validate_spec(spec)
-    validate_spec(dict(spec, parallel=SINGLE_DEVICE, bug={"name": "none"}))
+    job = job_of(recipe, base_dir or os.getcwd())
+    if not job["own"]:
+        _validate_user_job(recipe, job)
+        return
+    from orchestrator.jobs import resolve_entrypoint
+
+    check_spec = getattr(importlib.import_module(job["entrypoint"].partition(":")[0]), "validate", None)
+    resolve_entrypoint(job["entrypoint"])
+    if check_spec is not None:
+        check_spec(job_spec(recipe, role="candidate", store_url=""))
+        check_spec(job_spec(recipe, role="reference", store_url="", parallel=SINGLE_DEVICE, bug="none"))
 
 
-def compose(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """The recipe for `ttrace <overrides>` as a plain dict, without running Hydra's app (tests, tools)."""
+def _validate_user_job(recipe: dict[str, Any], job: dict[str, Any]) -> None:
+    """A user job: it must exist where it will run, and the built-in jobs' switches must be off (a user
+    job never reads them: set, they would be silently unused)."""
+    from orchestrator.jobs import command_argv, resolve_entrypoint
+
+    workdir = job["workdir"]
+    if not os.path.isdir(workdir):
+        raise ConfigError(f"job.workdir={workdir} is not a directory")
+    if recipe["bug"]["name"] != "none":
+        raise ConfigError(f"bug={recipe['bug']['name']} is a switch of ttrace's built-in jobs, unused by "
+                          f"job {job['label']!r}; a bug of your own code is your job's flag "
+                          "(job.command='python train.py --bug ...')")
+    if (recipe.get("fault") or {}).get("kind", "none") != "none":
+        raise ConfigError("fault.kind is injected by ttrace's built-in jobs only; it would be unused by "
+                          f"job {job['label']!r}")
+    if job["command"]:
+        argv = command_argv(job["command"], {**os.environ, **job["env"]})
+        exe = argv[0]
+        found = shutil.which(exe) or (os.sep in exe and os.path.exists(os.path.join(workdir, exe)))
+        if exe in ("python", "python3") or exe == sys.executable:
+            found = True
+        if not found:
+            raise ConfigError(f"job.command: '{exe}' is neither on PATH nor a file in {workdir}")
+        if exe in ("python", "python3") or exe == sys.executable:
+            script = next((a for a in argv[1:] if not a.startswith("-")), None)
+            if script and script.endswith(".py") and not os.path.exists(os.path.join(workdir, script)):
+                raise ConfigError(f"job.command: script {script} not found in {workdir} (job.workdir, "
+                                  "default: the directory ttrace was started in)")
+    else:
+        resolve_entrypoint(job["entrypoint"], workdir)
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), config_dirs: list[str] | tuple[str, ...] = ()
+            ) -> dict[str, Any]:
+    """The recipe for `ttrace <overrides>` as a plain dict, without running Hydra's app (tests, tools).
+    `config_dirs` are further recipe folders searched after ttrace's own (like `--config-dir`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    from orchestrator.cli import RECIPES
-
+    overrides = list(overrides)
+    if config_dirs:
+        dirs = ",".join(f"file://{os.path.abspath(d)}" for d in config_dirs)
+        overrides.append(f"hydra.searchpath=[{dirs}]")
     try:
         with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-            return to_dict(hydra_compose("config", overrides=list(overrides)))
+            return to_dict(hydra_compose("config", overrides=overrides))
     except HydraException as e:
         raise ConfigError(f"recipe {list(overrides)} cannot be composed: {e}") from None

@@ -15,6 +15,7 @@ from typing import Any
 import fsspec
 
 from tracer.errors import TTraceError
+from tracer.store import configure
 
 S3_KEYS = ("endpoint_url", "region", "connect_timeout", "read_timeout", "max_attempts")
 
@@ -26,27 +27,6 @@ def options(store: dict[str, Any]) -> dict[str, Any]:
     if protocol not in ("s3", "s3a"):
         return {"protocol": protocol}
     return {"protocol": "s3", **{k: store.get(k) for k in S3_KEYS if store.get(k) is not None}}
-
-
-def configure(opts: dict[str, Any] | None) -> None:
-    """Apply `options(...)` in this process (idempotent)."""
-    if not opts or opts.get("protocol") != "s3":
-        return
-    import s3fs
-
-    attempts = int(opts.get("max_attempts", 2))
-    s3fs.S3FileSystem.retries = max(1, attempts)   # s3fs's own retry loop (backoff), on top of botocore's
-    kw: dict[str, Any] = {
-        "config_kwargs": {"connect_timeout": float(opts.get("connect_timeout", 5)),
-                          "read_timeout": float(opts.get("read_timeout", 30)),
-                          "retries": {"max_attempts": attempts, "mode": "standard"}},
-    }
-    if opts.get("endpoint_url"):
-        kw["endpoint_url"] = opts["endpoint_url"]
-    if opts.get("region"):
-        kw["client_kwargs"] = {"region_name": opts["region"]}
-    for proto in ("s3", "s3a"):
-        fsspec.config.conf[proto] = kw
 
 
 def preflight(url: str, opts: dict[str, Any]) -> None:

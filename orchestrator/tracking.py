@@ -102,7 +102,8 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
     client, exp_id = _client(cfg, base_dir)
     rec = report["recipe"]
     fd = report.get("first_divergence") or {}
-    tags = {"verdict": report["verdict"], "check_id": report["check_id"],
+    job = (report.get("job") or {}).get("label", "builtin")
+    tags = {"verdict": report["verdict"], "check_id": report["check_id"], "job": str(job)[:5000],
             "parallel": rec["parallel"]["name"], "bug": rec["bug"]["name"],
             "first_divergence.name": fd.get("name", ""), "first_divergence.module": fd.get("module", ""),
             "first_divergence.kind": fd.get("kind", "")}
@@ -114,11 +115,12 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
     if report.get("error"):
         tags["error"] = report["error"][:5000]
     if report.get("reference"):
-        tags["reference.cache"] = report["reference"]["cache"]
-        tags["reference.key"] = report["reference"]["key"]
+        tags["reference.cache"] = report["reference"].get("cache", "")
+        tags["reference.key"] = report["reference"].get("key", "")
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
-    run = client.create_run(exp_id, run_name=f"{rec['parallel']['name']}/{rec['bug']['name']}", tags=tags)
+    name = f"{rec['parallel']['name']}/{rec['bug']['name']}"
+    run = client.create_run(exp_id, run_name=name if job == "builtin" else f"{job[:60]}/{name}", tags=tags)
     run_id = run.info.run_id
     params = {k: v[:6000] for k, v in _flatten({k: v for k, v in rec.items() if k != "tracking"}).items()}
     from mlflow.entities import Param

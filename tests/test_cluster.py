@@ -28,16 +28,19 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
     assert len(calls) == 2 and calls[0] == blocker.id   # the blocker's own ready(), then the job's once
 
 
-def test_framework_adapters_run_each_rank_in_a_fresh_worker_process():
+def test_in_process_jobs_other_than_the_builtin_run_each_rank_in_a_fresh_worker_process():
     """torch's DTensor keeps per-process state across process groups: a worker reused for rank 1
     after rank 0 of another job took rank 0's gradient chunk (a clean torch_native tp2_sp check
-    failed this way; scripts/repro_dtensor_reused_process.py). Adapters get a fresh process per
-    rank; the built-in trainer, which keeps no such state, reuses warm workers."""
+    failed this way; scripts/repro_dtensor_reused_process.py). Entrypoint jobs get a fresh process
+    per rank; the built-in trainer, which keeps no such state, reuses warm workers, and so does a
+    command job, whose rank is a child process of its own."""
     from orchestrator import cluster
+    from orchestrator.recipe import compose, job_of
 
-    assert cluster.rank_task({"framework": {"name": "builtin"}}) is cluster._rank
-    assert cluster.rank_task({}) is cluster._rank
-    for fw in ("torch_native", "hf", "megatron_core"):
-        assert cluster.rank_task({"framework": {"name": fw}}) is cluster._rank_fresh
+    assert cluster.rank_task({"job": job_of(compose([]))}) is cluster._rank
+    assert cluster.rank_task({"job": job_of(compose(["job.command=python train.py"]))}) is cluster._rank
+    for job in ("torch_native", "hf", "megatron_core"):
+        assert cluster.rank_task({"job": job_of(compose([f"job={job}"]))}) is cluster._rank_fresh
+    assert cluster.rank_task({"job": {"entrypoint": "mypkg.train:main"}}) is cluster._rank_fresh
     assert cluster._rank_fresh._default_options.get("max_calls") == 1
     assert not cluster._rank._default_options.get("max_calls")

@@ -1,4 +1,4 @@
-"""framework=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
+"""job=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
 (DistributedConfig(tp_size=2), real library code on CPU/gloo) against the same model in one process.
 Param layouts come from its DTensor placements, output layouts from its TP styles
 (tracer/frameworks/hf.py). Clean tp2 passes; a K/V plan that leaves input grads unreduced exits 1."""
@@ -41,7 +41,7 @@ def results(ray_cluster, tmp_path_factory):
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("hf_checks")
-    common = ["framework=hf", "tracking.enabled=false", "localize=false", f"cluster.address={ray_cluster}"]
+    common = ["job=hf", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2", *common]), work / "clean-tp2")]
     items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
@@ -59,6 +59,8 @@ def test_clean_hf_tp_passes(results):
 def test_hf_plan_bug_is_named(results, bug):
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
-    fd = res.report["first_divergence"]
+    fd, culprit = res.report["first_divergence"], res.report["culprit"]
     _, module, kind = BUGGY[bug]
     assert (fd["module"], fd["kind"]) == (module, kind), fd
+    assert culprit["resolved"] and (culprit["module"], culprit["kind"]) == (module, kind), culprit
+    assert res.report["blame_window"]["size"] == 1

@@ -1,4 +1,4 @@
-"""framework=megatron_core: megatron-core's real GPTModel, DDP, schedules and grad finalization on CPU.
+"""job=megatron_core: megatron-core's real GPTModel, DDP, schedules and grad finalization on CPU.
 
 Unit (no Ray, two gloo processes): the plan read from megatron's module attributes gives the Megatron
 layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 output (per-group
@@ -36,7 +36,9 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
 
+    from tracer import param_layouts
     from tracer.frameworks.megatron_core import layer_renaming, plan_for
+    from tracer.job import init_parameters
     from workloads.frameworks import megatron_core as adapter
     from workloads.frameworks import megatron_shims
 
@@ -54,7 +56,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
             plan, rename = plan_for(model), layer_renaming(model)
             coords = {"tp": mps.get_tensor_model_parallel_rank(),
                       "pp": mps.get_pipeline_model_parallel_rank()}
-            adapter.init_weights(model, plan, rename, coords, {"tp": t, "pp": p}, seed=7, perturb_seed=None)
+            init_parameters(model, param_layouts(model, plan), 7, coords, {"tp": t, "pp": p}, rename=rename)
             qkv = {}
 
             def keep(module, args, output, qkv=qkv):  # noqa: ANN001
@@ -142,13 +144,13 @@ def test_layer_renaming_pp2_from_layer_numbers(plans):
 
 
 # -- real Ray checks ----------------------------------------------------------------------------
-BUGGY = [n for n, b in bugs.CATALOG.items() if b.framework == "megatron_core"]
+BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"]
 
 
 @pytest.fixture(scope="module")
 def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("megatron_checks")
-    common = ["framework=megatron_core", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    common = ["job=megatron_core", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2_sp", *common]), work / "clean-tp2_sp")]
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
     out = run_checks(items, base_dir=str(work))
@@ -166,5 +168,9 @@ def test_megatron_bug_is_localized(results, bug):
     assert len(BUGGY) >= 2
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
-    fd = res.report["first_divergence"]
+    fd, culprit = res.report["first_divergence"], res.report["culprit"]
     assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[bug].expect), fd
+    # The isolation pass on megatron-core's own modules (plan read from their attributes).
+    assert culprit["resolved"] and fnmatch.fnmatch(f"{culprit['module']}/{culprit['kind']}",
+                                                   bugs.CATALOG[bug].expect), culprit
+    assert res.report["blame_window"]["size"] == 1

@@ -1,4 +1,4 @@
-"""framework=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module) traced
+"""job=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module) traced
 with layouts read from DTensor placements (tracer/frameworks/dtensor.py, no plan). Unit tests of the
 placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp passes, the injected wrong
 placement plan exits 1 at the K/V projection it breaks."""
@@ -48,11 +48,11 @@ def test_validate_names_what_is_unsupported():
     from tracer.errors import ConfigError
     from workloads.frameworks import torch_native
 
-    rec = compose(["framework=torch_native", "parallel=tp2_sp"])
-    assert rec["model"]["name"] == "llama_tiny"   # the framework recipe's default model
-    torch_native.validate(job_spec(rec, run="x", store_url=""))
+    rec = compose(["job=torch_native", "parallel=tp2_sp"])
+    assert rec["model"]["name"] == "llama_tiny"   # the job option's default model
+    torch_native.validate(job_spec(rec, role="candidate", store_url=""))
     def spec(*over):
-        return job_spec(compose(["framework=torch_native", *over]), run="x", store_url="")
+        return job_spec(compose(["job=torch_native", *over]), role="candidate", store_url="")
 
     with pytest.raises(ConfigError, match="model=llama_tiny"):
         torch_native.validate(spec("model=gpt_tiny"))
@@ -70,9 +70,9 @@ def results(ray_cluster, tmp_path_factory):
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("torch_native_checks")
-    common = ["framework=torch_native", "tracking.enabled=false", "localize=false",
-              f"cluster.address={ray_cluster}"]
+    common = ["job=torch_native", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
     items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
+    # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced.
     items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
     return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY), out, strict=True))
@@ -91,6 +91,9 @@ def test_wrong_placement_plan_is_named(results, bug):
 
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
-    fd = res.report["first_divergence"]
+    fd, culprit = res.report["first_divergence"], res.report["culprit"]
     _, module, kind = BUGGY[bug]
     assert fnmatch.fnmatch(fd["module"], module) and fd["kind"] == kind, fd
+    # The isolation pass on a DTensor job: the culprit is the module itself, alone in its window.
+    assert culprit["resolved"] and fnmatch.fnmatch(culprit["module"], module), culprit
+    assert culprit["kind"] == kind and res.report["blame_window"]["size"] == 1, res.report["blame_window"]

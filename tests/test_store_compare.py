@@ -208,15 +208,55 @@ def test_runs_of_different_dtypes_are_an_error(traces):
         compare(ref, cand, [], TolerancePolicy())
 
 
-def test_a_shape_mismatch_between_runs_is_an_error(traces):
-    """The candidate reassembles one tensor to another shape (a layout declared wrong): an error
-    naming the tensor, never a figure computed on misaligned elements."""
+def test_a_candidate_tensor_of_another_shape_is_a_verdict_at_its_module(traces):
+    """The candidate reassembles one tensor to another shape (a layout declared wrong, e.g. a module
+    left out of the parallel plan): a FAIL at that tensor with reason "shape", never an error and
+    never a figure computed on misaligned elements; the tensors before it are judged as usual."""
     write_run(traces, "candidate", tp=2)
     ref, cand = load(traces, "reference"), load(traces, "candidate", 2)
     name = "0/0/out/output"
     cand.tensors[name].tensor = cand.tensors[name].tensor[:, :-1]
-    with pytest.raises(TraceError, match=r"0/0/out/output: candidate reassembles to shape \(5, 2\)"):
-        compare(ref, cand, [], TolerancePolicy())
+    res = compare(ref, cand, [load(traces, "perturbed-0")], TolerancePolicy())
+    assert res.verdict == "fail"
+    fd = res.first_divergence
+    assert fd.name == name and fd.module == "out" and fd.reason.startswith("shape: "), fd
+    assert "(5, 2) but the reference has (5, 3)" in fd.reason and fd.rel_err == math.inf
+    assert res.results[0].name == "0/0/fc/output" and res.results[0].ok
+
+
+def test_replicas_of_different_shapes_are_a_shape_verdict(traces):
+    """A plain local tensor taken as replicated whose ranks hold different sizes: the candidate's pieces
+    do not reassemble at all, which is again the module's layout, judged as a verdict."""
+    write_run(traces, "candidate", tp=2)
+    ref, cand = load(traces, "reference"), load(traces, "candidate", 2)
+    name = "0/0/out/output"
+    from tracer.errors import LayoutMismatch
+    from tracer.layouts import Assembled, Layout, Piece, assemble
+
+    with pytest.raises(LayoutMismatch):   # what assemble raises for such pieces
+        assemble(name, Layout(), [Piece({"tp": 0}, torch.zeros(5, 3), 0),
+                                   Piece({"tp": 1}, torch.zeros(5, 2), 1)], {"tp": 2})
+
+    class Broken(dict):
+        def __getitem__(self, key: str) -> Assembled:
+            if key == name:
+                raise LayoutMismatch(f"{name}: replicas on ranks 0 and 1 have shapes (5, 3) and (5, 2)")
+            return dict.__getitem__(self, key)
+
+    cand.tensors = Broken(cand.tensors)
+    res = compare(ref, cand, [load(traces, "perturbed-0")], TolerancePolicy())
+    fd = res.first_divergence
+    assert res.verdict == "fail" and fd.name == name and "replicas on ranks 0 and 1" in fd.reason, fd
+
+
+def test_perturbed_runs_identical_to_the_reference_are_an_error_not_a_wall_of_fails(traces):
+    """A perturbed run whose perturbation never applied (bit-identical to the reference) would make
+    every tolerance the floor: exit 2 saying so, never hundreds of false FAILs."""
+    write_run(traces, "perturbed-1")            # same weights as the reference: nothing moved
+    write_run(traces, "candidate", tp=2)
+    with pytest.raises(TraceError, match=r"\['perturbed-1'\] are bit-identical to reference"):
+        compare(load(traces, "reference"), load(traces, "candidate", 2),
+                [load(traces, "perturbed-0"), load(traces, "perturbed-1")], TolerancePolicy())
 
 
 def test_an_inf_in_the_candidate_fails_at_that_tensor(traces):

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel
+from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel, run_in_process
 
 from tracer import Layout, Replicate
 from tracer.errors import ConfigError
@@ -76,7 +76,8 @@ def make_spec(parallel: str, bug: str = "none", perturb_seed: int | None = None,
     spec["parallel"] = {"name": parallel, "world_size": ws, "tp": tp, "pp": pp, "sp": sp, "zero1": z,
                         "vpp": vpp, "cp": cp}
     spec["bug"] = {"name": bug}
-    spec["trace"]["perturb_seed"] = perturb_seed
+    if perturb_seed is not None:
+        spec["trace"].update(role="perturbed", perturb=perturb_seed)
     return spec
 
 
@@ -93,8 +94,8 @@ def moe_spec(parallel: str, bug: str = "none") -> dict:
 class ShardRecorder(Recorder):
     """Recorder that also takes the distributed optimizer's grad shards (with their own layouts)."""
 
-    def __init__(self, cfg: Any, ps: Any):
-        super().__init__(cfg, ps)
+    def __init__(self, coords: Any, sizes: Any, meta: Any = None, dtensor: bool = False):
+        super().__init__(coords, sizes)
         self.grad_layouts: dict[str, Layout] = {}
 
     def record_param_grad_shards(self, shards: dict) -> None:
@@ -103,16 +104,10 @@ class ShardRecorder(Recorder):
 
 
 def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
-    from workloads.train import run_rank
-
     for name, spec, port in jobs:
-        world = spec["parallel"]["world_size"]
-        if rank >= world:
+        if rank >= spec["parallel"]["world_size"]:
             continue
-        recs: list[ShardRecorder] = []
-        factory = lambda cfg, ps, recs=recs: recs.append(ShardRecorder(cfg, ps)) or recs[-1]
-        result = run_rank(spec, rank, world, "127.0.0.1", port, tracer_factory=factory)
-        rec = recs[0]
+        result, rec = run_in_process(spec, rank, port, ShardRecorder)
         grad_layouts = {**rec.layouts, **rec.grad_layouts}
         torch.save({"result": result, "coords": rec.coords, "sizes": rec.sizes, "grads": rec.grads,
                     "params": rec.params, "layouts": {k: v.to_json() for k, v in rec.layouts.items()},

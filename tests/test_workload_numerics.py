@@ -2,7 +2,7 @@
 
 One torch.multiprocessing spawn of 4 worker processes runs every job in turn (ranks beyond a job's
 world size sit it out), so torch is imported once per worker. Workers reuse their process, as
-Ray's do, which also checks that run_rank tears its process group down. Ranks trace into an
+Ray's do, which also checks that the job tears its process group down. Ranks trace into an
 in-memory recorder (tracing to the store is disabled); the parent reassembles every parameter and
 gradient with the plan's layouts and compares it with the reference.
 """
@@ -35,7 +35,9 @@ BASE: dict[str, Any] = {
     "steps": 2, "seed": 1234,
     "data": {"global_batch": 8, "micro_batch": 2},
     "optim": {"lr": 1e-3, "clip_grad": 1.0},
-    "trace": {"store_url": None, "run": "test", "perturb_seed": None, "enabled": False},
+    # The session records into memory (Recorder); role and perturbation as a check would set them.
+    "trace": {"store_url": "memory://unused", "run": "test", "role": "candidate", "perturb": None,
+              "enabled": True},
     "timeout_s": 120,
 }
 
@@ -62,16 +64,18 @@ def make_spec(parallel: str, bug: str = "none", perturb_seed: int | None = None)
     ws, tp, pp, sp = PARALLEL[parallel]
     spec["parallel"] = {"name": parallel, "world_size": ws, "tp": tp, "pp": pp, "sp": sp}
     spec["bug"] = {"name": bug}
-    spec["trace"]["perturb_seed"] = perturb_seed
+    if perturb_seed is not None:
+        spec["trace"].update(role="perturbed", perturb=perturb_seed)
     return spec
 
 
 class Recorder:
-    """In-memory stand-in for tracer.Tracer: per-step param grads (after reduction), params after
-    the last step, per-microbatch losses; each with the layout the plan gives it."""
+    """In-memory stand-in for tracer.Tracer (a Session's tracer_factory): per-step param grads (after
+    reduction), params after the last step, per-microbatch losses; each with the layout the plan
+    gives it. The session around it is real: it perturbs the weights of perturbed runs."""
 
-    def __init__(self, cfg: Any, ps: Any):
-        self.coords, self.sizes = dict(ps.coords), dict(ps.sizes)
+    def __init__(self, coords: Any, sizes: Any, meta: Any = None, dtensor: bool = False):
+        self.coords, self.sizes = dict(coords), dict(sizes)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
         self.params: dict[str, torch.Tensor] = {}
         self.losses: dict[tuple[int, int], float] = {}
@@ -108,17 +112,29 @@ class Recorder:
         pass
 
 
-def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
-    from workloads.train import run_rank
+def run_in_process(spec: dict, rank: int, port: int, recorder: type) -> tuple[dict, Any]:
+    """The built-in job's entrypoint as ttrace's launcher calls it (torchrun's environment), with a
+    session whose tracer records into memory; returns (what main returned, the recorder)."""
+    import os
 
+    from tracer.job import JobConfig, Session
+    from workloads.train import main
+
+    world = spec["parallel"]["world_size"]
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    recs: list = []
+    factory = lambda coords, sizes, meta, dtensor: recs.append(recorder(coords, sizes)) or recs[-1]
+    result = main(Session(JobConfig.from_spec(spec, env=env), tracer_factory=factory))
+    return result, recs[0]
+
+
+def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
     for name, spec, port in jobs:
-        world = spec["parallel"]["world_size"]
-        if rank >= world:
+        if rank >= spec["parallel"]["world_size"]:
             continue
-        recs: list[Recorder] = []
-        factory = lambda cfg, ps, recs=recs: recs.append(Recorder(cfg, ps)) or recs[-1]
-        result = run_rank(spec, rank, world, "127.0.0.1", port, tracer_factory=factory)
-        rec = recs[0]
+        result, rec = run_in_process(spec, rank, port, Recorder)
         torch.save({"result": result, "coords": rec.coords, "sizes": rec.sizes, "grads": rec.grads,
                     "params": rec.params, "layouts": {k: v.to_json() for k, v in rec.layouts.items()},
                     "mb_losses": rec.losses}, Path(out_dir) / f"{name}.{rank}.pt")

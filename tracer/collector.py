@@ -139,14 +139,15 @@ class Tracer:
             mtype = self._params.get(pname, (Replicate(), ""))[1]
             self.record(self._rename(pname), "param_grad", t, layout, module_type=mtype)
 
-    def close(self) -> None:
-        """Commit this rank's trace (manifest last). Call on every rank after training."""
+    def close(self, incomplete: str | None = None) -> None:
+        """Commit this rank's trace (manifest last). Call on every rank after training; `incomplete`
+        says why a job that stopped early (it raised) commits a partial trace, never compared."""
         if not self.enabled:
             return
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._writer.close()
+        self._writer.close(incomplete)
 
     # -- internals -----------------------------------------------------------------------------
     def _record_params(self, model: nn.Module, kind: str) -> None:

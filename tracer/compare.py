@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tracer.errors import TraceError
+from tracer.errors import LayoutMismatch, TraceError
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey, measure
@@ -94,25 +94,39 @@ def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
 
 class _Arriving(Mapping[str, torch.Tensor]):
     """A run's tensors as the measurement reads them, each once, chunk by chunk (a stored run is
-    read as it goes, see tracer.logical): a shape other than the reference's is an error, and the
-    candidate's replica agreement is kept for its verdict."""
+    read as it goes, see tracer.logical). In the candidate (`replicas` given), a tensor whose pieces
+    do not reassemble to the reference's shape is a wrong layout: it is noted in `mismatch` (judged
+    as a verdict at its module) and measured as zeros; in a reference run it is an error."""
 
     def __init__(self, trace: LogicalTrace, reference: LogicalTrace,
                  replicas: dict[str, Assembled] | None = None):
         self.trace, self.reference, self.replicas = trace, reference, replicas
+        self.mismatch: dict[str, str] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        got = self.trace.tensors[name]
         want = self.reference.shape(name)
+        try:
+            got = self.trace.tensors[name]
+        except LayoutMismatch as e:
+            if self.replicas is None:
+                raise
+            return self._mismatched(name, want, str(e))
         if tuple(got.tensor.shape) != want:
             if self.replicas is not None:
-                raise TraceError(f"{name}: candidate reassembles to shape {tuple(got.tensor.shape)} but the "
-                                 f"reference has {want}: the runs do not match or a layout is declared wrong")
+                return self._mismatched(name, want, f"candidate reassembles to shape "
+                                                    f"{tuple(got.tensor.shape)} but the reference has {want}")
             raise TraceError(f"{name}: run '{self.trace.run}' has shape {tuple(got.tensor.shape)}, the "
                              f"reference {want}; the reference set is inconsistent, recompute it")
         if self.replicas is not None:
             self.replicas[name] = got
         return got.tensor
+
+    def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
+        assert self.replicas is not None
+        self.mismatch[name] = why
+        self.replicas[name] = Assembled(tensor=torch.empty(0))
+        dtype = getattr(torch, str(self.reference.info[name].get("dtype", "float32")), torch.float32)
+        return torch.zeros(want, dtype=dtype if dtype.is_floating_point else torch.float32)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.trace.tensors)
@@ -123,6 +137,22 @@ class _Arriving(Mapping[str, torch.Tensor]):
 
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else float("inf")
+
+
+def _check_perturbed_moved(reference: LogicalTrace, perturbed: Sequence[LogicalTrace],
+                           stats: Mapping[str, Any]) -> None:
+    """A perturbed run bit-identical to the reference everywhere never had its perturbation applied
+    (its tolerances would all be the floor: a wall of false FAILs). That is an error, not a verdict."""
+    moved = 0
+    for st in stats.values():
+        moved |= st.moved
+    still = [p.run for i, p in enumerate(perturbed) if not moved >> i & 1]
+    if still:
+        raise TraceError(
+            f"perturbed reference run(s) {still} are bit-identical to reference '{reference.run}' in all "
+            f"{len(stats)} tensors: the perturbation did not apply, so no tolerance can be estimated. A job "
+            "must call tr.attach(model) after its weights are set (and not reload them afterwards), and a "
+            "perturbed run must be launched with TTRACE_ROLE=perturbed TTRACE_PERTURB=<r>")
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
@@ -164,8 +194,10 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     keys = [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
                       math.prod(reference.shape(n))) for n in reference.order]
     replicas: dict[str, Assembled] = {}
-    stats = measure(keys, _Arriving(reference, reference), _Arriving(candidate, reference, replicas),
+    arriving = _Arriving(candidate, reference, replicas)
+    stats = measure(keys, _Arriving(reference, reference), arriving,
                     [_Arriving(p, reference) for p in perturbed], policy.k_elem)
+    _check_perturbed_moved(reference, perturbed, stats)
     for name in reference.order:
         if stats[name].ref_nonfinite:
             raise TraceError(f"{name}: the reference itself has non-finite values; the recipe diverges "
@@ -200,7 +232,13 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]))
-        if res.nonfinite:
+        if name in arriving.mismatch:
+            res.rel_err = res.max_err = res.elem_err = math.inf
+            res.cosine, res.nonfinite, res.excused = math.nan, 0, 0
+            res.ok, res.reason = False, (f"shape: {arriving.mismatch[name]} (the tensor's layout is not what "
+                                         "its placements or plan declare, e.g. a module left out of the "
+                                         "parallel plan)")
+        elif res.nonfinite:
             res.ok, res.reason = False, f"{res.nonfinite} non-finite values"
         elif res.rel_err > tol:
             res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"

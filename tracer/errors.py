@@ -9,6 +9,12 @@ class TraceError(TTraceError):
     """A trace is missing, truncated, corrupt, or cannot be reassembled."""
 
 
+class LayoutMismatch(TraceError):
+    """A run's pieces of one tensor do not fit the layout they declare (replicas of different shapes,
+    shards that do not concatenate): in a candidate, a wrong layout, judged as a verdict at that
+    tensor's module (reason "shape"), not an error."""
+
+
 class ConfigError(TTraceError):
     """A recipe or parallel configuration that cannot run (bad sizes, unknown option)."""
 

@@ -36,15 +36,24 @@ def full_tensor(name: str, shape: tuple[int, ...], seed: int, *, init: str = "no
     return t.to(dtype)
 
 
-def perturb_ulp(t: torch.Tensor, seed: int, name: str) -> torch.Tensor:
-    """Move every element one ulp up or down (random sign, seeded by name).
+def perturb_signs(shape: tuple[int, ...] | torch.Size, seed: int, name: str) -> torch.Tensor:
+    """Which elements of the logical tensor `name` a perturbed run moves up (True) or down: one draw
+    per element of the FULL tensor, so every layout slices the same signs (`Layout.local`)."""
+    return torch.randint(0, 2, tuple(shape), generator=_generator(seed, "perturb/" + name)).bool()
 
-    Multiplying by (1 + eps*u) and rounding back leaves most elements unchanged; a one-ulp step
-    moves every element by a relative 2**-p..2**-(p-1) of its own precision, zeros included.
-    """
-    up = torch.randint(0, 2, t.shape, generator=_generator(seed, "perturb/" + name)).bool()
-    inf = torch.tensor(float("inf"), dtype=t.dtype)
-    return torch.where(up, torch.nextafter(t, inf), torch.nextafter(t, -inf))
+
+def step_ulp(t: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Every element moved one ulp of its own dtype: up where `up`, down elsewhere (zeros included).
+
+    Multiplying by (1 + eps*u) and rounding back would leave most elements unchanged; a one-ulp
+    step moves every element by a relative 2**-p..2**-(p-1) of its own precision."""
+    inf = torch.tensor(float("inf"), dtype=t.dtype, device=t.device)
+    return torch.where(up.to(t.device), torch.nextafter(t, inf), torch.nextafter(t, -inf))
+
+
+def perturb_ulp(t: torch.Tensor, seed: int, name: str) -> torch.Tensor:
+    """The full logical tensor `name` with every element moved one ulp (random sign, seeded by name)."""
+    return step_ulp(t, perturb_signs(t.shape, seed, name))
 
 
 def token_batch(seed: int, step: int, global_batch: int, seq_len: int, vocab: int) -> torch.Tensor:

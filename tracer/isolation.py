@@ -44,20 +44,28 @@ class ReferenceFeed:
     def __init__(self, reference: LogicalTrace, coords: Mapping[str, int], sizes: Mapping[str, int]):
         self.reference, self.coords, self.sizes = reference, dict(coords), dict(sizes)
 
-    def local(self, name: str, layout: Layout, like: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+    def local(self, name: str, layout: Layout, like: torch.Tensor, *,
+              scale: float = 1.0) -> torch.Tensor | None:
+        """This rank's piece of the reference's `name`, or None when the layout does not cut the
+        reference to `like`'s shape: the module's layout is wrong (the comparison reports it as a
+        shape verdict), and the module hands on its own tensor."""
         got = self.reference.tensors.get(name)
         if got is None:
             raise TraceError(f"isolation pass: the reference has no tensor '{name}' (the runs' recipes or "
                              "tracing plans differ)")
         full = got.tensor * scale if scale != 1.0 else got.tensor
-        local = layout.summand(full, self.coords, self.sizes)
+        try:
+            local = layout.summand(full, self.coords, self.sizes)
+        except (TraceError, ValueError, RuntimeError):
+            return None
         if local.shape != like.shape:
-            raise TraceError(f"isolation pass: {name} is {tuple(like.shape)} on this rank but its layout "
-                             f"{layout.to_json()} slices the reference to {tuple(local.shape)}")
+            return None
         return local.to(dtype=like.dtype, device=like.device)
 
     def substitute(self, computed: torch.Tensor, name: str, layout: Layout) -> torch.Tensor:
         ref = self.local(name, layout, computed)
+        if ref is None:
+            return computed
         return _Substitute.apply(computed, ref) if computed.requires_grad else ref
 
 
@@ -111,7 +119,7 @@ def describe(report: Mapping[str, Any]) -> str:
         return ""
     if not c.get("resolved"):
         return f"culprit unresolved (no module beyond tolerance on its own); blame window {w['size']} modules"
+    why = c.get("reason") or f"rel_err {c['rel_err']:.3g} > tolerance {c['tolerance']:.3g}"
     return (f"culprit {c['module']} ({c['module_type'] or c['kind']}, {c['kind']} at step {c['step']}): "
-            f"local error {c['rel_err']:.3g} vs tolerance {c['tolerance']:.3g}; "
-            f"the first divergence's error is "
+            f"on its own, {why}; the first divergence's error is "
             f"{report.get('origin', '?')}; blame window {w['size']} module{'s' if w['size'] != 1 else ''}")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tracer.errors import TraceError
+from tracer.errors import LayoutMismatch, TraceError
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         first = group[0]
         for other in group[1:]:
             if other.tensor.shape != first.tensor.shape:
-                raise TraceError(f"{name}: replicas on ranks {first.rank} and {other.rank} have shapes "
+                raise LayoutMismatch(f"{name}: replicas on ranks {first.rank} and {other.rank} have shapes "
                                  f"{tuple(first.tensor.shape)} and {tuple(other.tensor.shape)}")
             err = _rel(other.tensor, first.tensor)
             if err > replica_err:
@@ -162,6 +162,9 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
     for key, t in chosen.items():
         skey = key[:n_shard]
         acc = t.double() if layout.partial else t
+        if skey in summed and summed[skey].shape != acc.shape:
+            raise LayoutMismatch(f"{name}: partial sums over {layout.partial} have shapes "
+                                 f"{tuple(summed[skey].shape)} and {tuple(acc.shape)}")
         summed[skey] = summed[skey] + acc if skey in summed else acc
 
     # Sharded axes: concatenate innermost spec first.
@@ -171,12 +174,17 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         merged: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
         for key, t in current.items():
             merged.setdefault(key[:i], []).append((key[i], t))
-        if layout.shard[i][1] in layout.zigzag:   # coordinate j holds chunks j and 2n-1-j
-            current = {k: _unzigzag([t for _, t in sorted(v, key=lambda x: x[0])], dim)
-                       for k, v in merged.items()}
-        else:
-            current = {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])], dim=dim)
-                       for k, v in merged.items()}
+        try:
+            if layout.shard[i][1] in layout.zigzag:   # coordinate j holds chunks j and 2n-1-j
+                current = {k: _unzigzag([t for _, t in sorted(v, key=lambda x: x[0])], dim)
+                           for k, v in merged.items()}
+            else:
+                current = {k: torch.cat([t for _, t in sorted(v, key=lambda x: x[0])], dim=dim)
+                           for k, v in merged.items()}
+        except (RuntimeError, IndexError) as e:
+            shapes = sorted({tuple(t.shape) for v in merged.values() for _, t in v})
+            raise LayoutMismatch(f"{name}: shards of shapes {shapes} do not concatenate along dim {dim} "
+                                 f"({layout.shard[i][1]}): {str(e).splitlines()[0]}") from None
     (tensor,) = current.values()
     return Assembled(tensor=tensor, replica_err=replica_err, replica_ranks=worst,
                      ranks=sorted(p.rank for p in pieces))

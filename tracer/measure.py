@@ -49,6 +49,7 @@ class TensorStats:
     max_noise: float      # max_r max_err(p_r, r)
     elem_err: float       # max_i |c_i - r_i| / noise scale_i
     excused: int          # param elements not judged (Adam excusal)
+    moved: int = 0        # bit r set: perturbed run r differs from the reference in this tensor
 
 
 @dataclass(frozen=True)
@@ -334,11 +335,13 @@ def _measure_chunk(chunk: Sequence[TensorKey],
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = ((c.view(-1)[sl] - rv).abs(), e.clone())
 
+    bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
+    moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
                         max_noise, elem_err, lengths - counts]).tolist()
     return {k.name: TensorStats(rel_err=rows[0][i], max_err=rows[1][i], cosine=rows[2][i],
                                 nonfinite=int(rows[3][i]), ref_nonfinite=int(rows[4][i]),
                                 perturbed_nonfinite=int(rows[5][i]), noise=rows[6][i],
                                 elem_noise=rows[7][i], max_noise=rows[8][i], elem_err=rows[9][i],
-                                excused=int(rows[10][i]))
+                                excused=int(rows[10][i]), moved=moved[i])
             for i, k in enumerate(chunk)}

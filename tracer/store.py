@@ -40,6 +40,29 @@ def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path.rstrip("/")
 
 
+def configure(opts: dict[str, Any] | None) -> None:
+    """Apply a store's options (`orchestrator.storage.options`: protocol, S3 endpoint, region,
+    timeouts, retries; never credentials) in this process, for every filesystem fsspec creates
+    afterwards (idempotent). Every rank of a job calls it (tracer.job) before it writes a trace."""
+    if not opts or opts.get("protocol") != "s3":
+        return
+    import s3fs
+
+    attempts = int(opts.get("max_attempts", 2))
+    s3fs.S3FileSystem.retries = max(1, attempts)   # s3fs's own retry loop (backoff), on top of botocore's
+    kw: dict[str, Any] = {
+        "config_kwargs": {"connect_timeout": float(opts.get("connect_timeout", 5)),
+                          "read_timeout": float(opts.get("read_timeout", 30)),
+                          "retries": {"max_attempts": attempts, "mode": "standard"}},
+    }
+    if opts.get("endpoint_url"):
+        kw["endpoint_url"] = opts["endpoint_url"]
+    if opts.get("region"):
+        kw["client_kwargs"] = {"region_name": opts["region"]}
+    for proto in ("s3", "s3a"):
+        fsspec.config.conf[proto] = kw
+
+
 def rank_dir(rank: int) -> str:
     return f"rank{rank:05d}"
 
@@ -82,13 +105,16 @@ class TraceWriter:
         self._parts += 1
         self._buf, self._buf_bytes = {}, 0
 
-    def close(self) -> None:
-        """Flush, wait for every part, then commit the manifest (last)."""
+    def close(self, incomplete: str | None = None) -> None:
+        """Flush, wait for every part, then commit the manifest (last). `incomplete`: why the job
+        stopped early (it raised); such a trace is kept for inspection but never compared."""
         self.flush()
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
         manifest = dict(self.header, format=FORMAT, files=self.files, entries=self.entries)
+        if incomplete:
+            manifest["incomplete"] = incomplete
         text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
         with self.fs.open(f"{self.dir}/{MANIFEST}", "w") as f:
             f.write(text)
@@ -207,6 +233,46 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def runs_in(root: str) -> list[str]:
+    """The names of the runs stored under `root` (directories holding rank directories)."""
+    fs, base = _fs(root)
+    try:
+        entries = fs.ls(base, detail=True)
+    except FileNotFoundError:
+        raise TraceError(f"no trace store at {root}: nothing was traced there (check the path or "
+                         "TTRACE_STORE)") from None
+    runs = []
+    for e in entries:
+        if e.get("type") != "directory":
+            continue
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        try:
+            children = fs.ls(e["name"], detail=False)
+            if any(c.rstrip("/").rsplit("/", 1)[-1].startswith("rank") for c in children):
+                runs.append(name)
+        except FileNotFoundError:
+            continue
+    return sorted(runs)
+
+
+def world_size_of(root: str, run: str) -> int:
+    """How many ranks traced a stored run: its rank directories, which must be 0..n-1."""
+    fs, base = _fs(root)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{base}/{run}", detail=False)]
+    except FileNotFoundError:
+        raise TraceError(f"no run '{run}' under {root}: it was never traced there (runs present: "
+                         f"{runs_in(root) if fs.exists(base) else 'none'})") from None
+    ranks = sorted(int(n[4:]) for n in names if n.startswith("rank") and n[4:].isdigit())
+    if not ranks:
+        raise TraceError(f"run '{run}' under {root} holds no rank directory: its job traced nothing")
+    if ranks != list(range(ranks[-1] + 1)):
+        lost = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+        raise TraceError(f"run '{run}' under {root} lacks rank(s) {lost}: those ranks never wrote a trace; "
+                         "rerun the job")
+    return len(ranks)
+
+
 def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
     """Every rank's manifest of a run; a run with any rank uncommitted is an error, not partial data."""
     fs, base = _fs(root)
@@ -225,6 +291,9 @@ def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
                              f"rerun the job '{run}'") from None
         if manifest.get("format") != FORMAT:
             raise TraceError(f"manifest {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        if manifest.get("incomplete"):
+            raise TraceError(f"run '{run}' rank {rank} did not finish: its job stopped early "
+                             f"({manifest['incomplete']}) and its trace is partial; fix the job and rerun it")
         traces.append(RankTrace(root, run, manifest))
     if missing:
         raise TraceError(f"run '{run}' under {root} has no committed manifest for rank(s) {missing} of "

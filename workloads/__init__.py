@@ -1,5 +1,7 @@
-"""The built-in system under test: a Megatron-style GPT trainer (TP/SP/DP/PP) with injectable bugs.
+"""ttrace's own jobs: the built-in Megatron-style trainer (TP/SP/DP/PP/VPP/ZeRO/CP/EP, fp32/bf16/fp8)
+with its catalog of injectable bugs, and the framework jobs (workloads/frameworks/).
 
-`workloads.train.run_rank` is the per-rank entry point; `workloads.plan.tracing_plan` declares every
-sharding rule once, for both weight slicing and trace reassembly.
+Each is a job of the job contract: `workloads.train:main` (the built-in trainer) and the frameworks'
+`main` are entrypoints on one per-rank harness (workloads/harness.py); `workloads.plan.plan_for`
+declares every sharding rule once, for both weight slicing and trace reassembly.
 """

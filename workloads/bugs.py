@@ -22,7 +22,8 @@ class Bug:
     # bug, and an fnmatch pattern the culprit's (else the first divergence's) "module/kind" must match.
     trigger: tuple[str, ...] = ()
     expect: str = ""
-    framework: str = "builtin"   # workloads/frameworks: bugs injected into a third-party library
+    job: str = "builtin"         # the job option carrying it (job=<name>; workloads/frameworks: bugs
+                                 # injected into a third-party library)
     source: str = ""             # where the real bug was reported
 
 
@@ -152,25 +153,25 @@ CATALOG.update({b.name: b for b in (
 
 
 # Bugs injected into third-party frameworks by patching the real function at fault
-# (workloads/frameworks/<framework>.py); their `trigger` includes the `framework=` override.
+# (workloads/frameworks/<job>.py); their `trigger` includes the `job=` option.
 # -- megatron-core
 CATALOG.update({b.name: b for b in (
     Bug("megatron_sp_layernorm_grad_unreduced",
         "megatron-core finalize_model_grads: _allreduce_non_tensor_model_parallel_grads loses its "
         "sequence-parallel branch, so LayerNorm grads (partial over each rank's sequence chunk) are "
         "never all-reduced over TP",
-        0, "tp>1, sp (trigger: framework=megatron_core parallel=tp2_sp)",
+        0, "tp>1, sp (trigger: job=megatron_core parallel=tp2_sp)",
         "decoder.layers.0.input_layernorm weight param_grad at step 0 (its TP replicas disagree)",
-        trigger=("framework=megatron_core", "parallel=tp2_sp"), expect="*layernorm/param_grad",
-        framework="megatron_core"),
+        trigger=("job=megatron_core", "parallel=tp2_sp"), expect="*layernorm/param_grad",
+        job="megatron_core"),
     Bug("megatron_sp_allgather_grad_unreduced",
         "megatron-core ColumnParallelLinear under SP: the backward of its input all-gather scatters the "
         "input grad instead of reduce-scattering it (tensor_parallel/layers.py dist_reduce_scatter_func), "
         "so each rank keeps only its own heads'/features' share of the grad",
-        0, "tp>1, sp (trigger: framework=megatron_core parallel=tp2_sp)",
+        0, "tp>1, sp (trigger: job=megatron_core parallel=tp2_sp)",
         "decoder.final_layernorm grad_output at step 0 (the output layer's input grad: first in backward)",
-        trigger=("framework=megatron_core", "parallel=tp2_sp"), expect="decoder.final_layernorm/grad_output",
-        framework="megatron_core"),
+        trigger=("job=megatron_core", "parallel=tp2_sp"), expect="decoder.final_layernorm/grad_output",
+        job="megatron_core"),
 )})
 # -- PyTorch-native (DTensor plans, FSDP2, pipelining)
 CATALOG.update({b.name: b for b in (
@@ -179,10 +180,10 @@ CATALOG.update({b.name: b for b in (
         "`ColwiseParallel(output_layouts=Replicate())` (shard, then gather K/V). The forward is right, but "
         "`to_local()` declares each rank's K/V gradient replicated although it only covers that rank's "
         "query heads, so the wk/wv grads and their input grad lose the other ranks' part",
-        0, "framework=torch_native, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
+        0, "job=torch_native, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
         "the last layer's attention.wk or attention.wv grad_output at step 0 (first backward tensor "
         "of the K/V projections)",
-        framework="torch_native", trigger=("framework=torch_native", "parallel=tp2"),
+        job="torch_native", trigger=("job=torch_native", "parallel=tp2"),
         expect="layers.3.attention.w[kv]/grad_output"),
 )})
 # -- Hugging Face transformers
@@ -192,10 +193,10 @@ CATALOG.update({b.name: b for b in (
         "\"replicated_with_grad_allreduce\" style: their weight grads are summed over TP, but their input "
         "grads (each rank: its own query heads' part) are not, so the gradient reaching the attention "
         "input differs across TP ranks",
-        0, "framework=hf, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
+        0, "job=hf, model=llama_tiny (kv_heads=1), tp>1 (trigger: parallel=tp2)",
         "the last layer's input_layernorm grad_output at step 0: the K/V projections' input gradient, "
         "whose TP replicas disagree",
-        framework="hf", trigger=("framework=hf", "model=llama_tiny", "parallel=tp2"),
+        job="hf", trigger=("job=hf", "model=llama_tiny", "parallel=tp2"),
         expect="model.layers.3.input_layernorm/grad_output"),
 )})
 

@@ -67,11 +67,6 @@ class Config:
     lr: float
     clip_grad: float
     timeout_s: float
-    trace_enabled: bool
-    store_url: str | None
-    run: str
-    perturb_seed: int | None
-    fingerprint: str | None = None   # content key of what a reference depends on (set by the orchestrator)
 
     @property
     def micro_batches_local(self) -> int:
@@ -102,7 +97,6 @@ def parse(spec: Mapping[str, Any]) -> Config:
     """Parse (without cross-field checks; see `validate`)."""
     m, p = _section(spec, "model"), _section(spec, "parallel")
     data, optim = _section(spec, "data"), _section(spec, "optim")
-    trace = spec.get("trace") or {}
     model = ModelConfig(
         name=str(m.get("name", "model")), vocab=_get(m, "model", "vocab", int),
         hidden=_get(m, "model", "hidden", int), heads=_get(m, "model", "heads", int),
@@ -116,7 +110,6 @@ def parse(spec: Mapping[str, Any]) -> Config:
         tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)),
         zero1=bool(p.get("zero1", False)), vpp=int(p.get("vpp", 1) or 1),
         cp=int(p.get("cp", 1) or 1), ep=int(p.get("ep", 1) or 1))
-    perturb = trace.get("perturb_seed")
     return Config(
         model=model, parallel=parallel,
         precision=str((spec.get("precision") or {}).get("name", "fp32")),
@@ -124,20 +117,12 @@ def parse(spec: Mapping[str, Any]) -> Config:
         global_batch=_get(data, "data", "global_batch", int),
         micro_batch=_get(data, "data", "micro_batch", int),
         lr=_get(optim, "optim", "lr", float), clip_grad=float(optim.get("clip_grad", 0.0) or 0.0),
-        timeout_s=float(spec.get("timeout_s", 300)),
-        trace_enabled=bool(trace.get("enabled", True)), store_url=trace.get("store_url"),
-        run=str(trace.get("run", "run")), perturb_seed=None if perturb is None else int(perturb),
-        fingerprint=trace.get("fingerprint"))
+        timeout_s=float(spec.get("timeout_s", 300)))
 
 
 def validate(spec: Mapping[str, Any]) -> None:
-    """Raise ConfigError naming what is wrong, where, and what to do; return None if the spec can run."""
-    from workloads import frameworks
-
-    fw = frameworks.adapter(spec)
-    if fw is not None:   # a third-party framework validates its own specs
-        fw.validate(spec)
-        return
+    """The built-in trainer's check of its spec: raise ConfigError naming what is wrong, where, and what
+    to do; return None if the spec can run."""
     cfg = parse(spec)
     m, p = cfg.model, cfg.parallel
     where = f"parallel={p.name}, model={m.name}"
@@ -177,10 +162,10 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(cfg.precision in SUPPORTED_PRECISIONS,
          f"precision={cfg.precision} is not supported by the built-in GPT workload "
          f"(supported: {', '.join(SUPPORTED_PRECISIONS)}); use precision=fp32")
-    builtin = sorted(n for n, b in bugs.CATALOG.items() if b.framework == "builtin")
+    builtin = sorted(n for n, b in bugs.CATALOG.items() if b.job == "builtin")
     need(cfg.bug == bugs.NONE or cfg.bug in builtin,
          f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
-         "framework bugs need their framework= recipe")
+         "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
     _validate_variants(cfg, need)
     fault = spec.get("fault") or {}

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracer.errors import ConfigError
+from tracer.generator import step_ulp
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -176,9 +177,7 @@ class UlpNoise:
         self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        up = torch.randint(0, 2, t.shape, generator=self.gen).bool()
-        inf = torch.tensor(float("inf"), dtype=t.dtype)
-        return torch.where(up, torch.nextafter(t, inf), torch.nextafter(t, -inf))
+        return step_ulp(t, torch.randint(0, 2, t.shape, generator=self.gen).bool())
 
 
 class _PerturbGrad(torch.autograd.Function):

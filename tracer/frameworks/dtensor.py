@@ -200,7 +200,7 @@ class DTensorTracer(Tracer):
                         return None
                     ref = feed.local(canonical_name(step, mb, path, "grad_output"), glayout, local_of(grad),
                                      scale=1.0 / self._grad_scale)
-                    return _like(ref, grad)
+                    return None if ref is None else _like(ref, grad)
                 out.register_hook(grad_hook)
             if feed is None:
                 return None
@@ -220,12 +220,13 @@ def _like(local: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _substitute(feed: Any, out: torch.Tensor, name: str, layout: Layout) -> torch.Tensor:
     """Isolation pass: the reference's value of `out` (this rank's summand), gradients passing
-    through to the computed `out`. EXPERIMENTAL (the adapters do not enable it yet): clean torch-native
-    tp2 / tp2_sp isolation runs flag nothing, but with bug=tn_gqa_kv_gathered_output the isolated run's
-    `output/grad_output` (microbatch 0, the first backward tensor) differs from the reference's."""
+    through to the computed `out`; `out` itself where its layout does not fit the reference."""
     from tracer.isolation import _Substitute
 
-    ref = _like(feed.local(name, layout, local_of(out)), out)
+    local = feed.local(name, layout, local_of(out))
+    if local is None:
+        return out
+    ref = _like(local, out)
     if isinstance(out, DTensor):   # the replaced masked partial is never reduced: release its mask
         for pl in out.placements:
             if isinstance(pl, _MaskPartial) and pl.mask_buffer.data is not None:

@@ -1,13 +1,14 @@
-"""framework=hf: a tiny randomly initialized Hugging Face `LlamaForCausalLM` under transformers' own
+"""job=hf: a tiny randomly initialized Hugging Face `LlamaForCausalLM` under transformers' own
 tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp))`), against the
 same model loaded in one process.
 
 Weights: every parameter is generated as its full logical tensor by its Hugging Face name
-(`tracer.full_tensor`, optionally perturbed by one ulp) and saved as a checkpoint in a private temp
-directory; reference and candidate both load it with `from_pretrained`, transformers shards it
-(each TP rank keeps its DTensor shard), so every run starts from the same logical weights.
+(`tr.init_weights`, the consistent generator) and saved as a checkpoint in a private temp directory;
+reference and candidate both load it with `from_pretrained`, transformers shards it (each TP rank
+keeps its DTensor shard), so every run starts from the same logical weights; the session perturbs
+the loaded shards (perturbed role) when it attaches.
 
-KV heads must shard over TP (kv_heads % tp == 0; `framework=hf` defaults to model=llama_tiny_kv2):
+KV heads must shard over TP (kv_heads % tp == 0; `job=hf` defaults to model=llama_tiny_kv2):
 transformers refuses to split one KV head over ranks, and none of its TP styles is right for a
 replicated K/V projection fed by a replicated input. Its `replicated_with_grad_allreduce` style sums
 the weight grads but not the input grads (measured: the step-1 loss moves by 5e-5 at tp=2 with one
@@ -20,20 +21,16 @@ tensors (read from the TP styles' own output placements).
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
-import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tracer import ConfigError, full_tensor, perturb_ulp
-from workloads import bugs
+from tracer import ConfigError
+from tracer.job import Session
+from workloads import bugs, harness
 from workloads.config import Config, parse
-from workloads.frameworks import start_rank
 from workloads.frameworks.torch_native import train
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
@@ -50,18 +47,12 @@ def llama_config(cfg: Config) -> Any:
                        attention_bias=False, mlp_bias=False, use_cache=False)
 
 
-def write_checkpoint(cfg: Config, directory: str) -> None:
+def write_checkpoint(cfg: Config, tr: Session, directory: str) -> None:
     """The full logical weights from the consistent generator, saved as a Hugging Face checkpoint."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(llama_config(cfg))
-    for name, p in model.named_parameters():   # a tied lm_head is listed once (embed_tokens)
-        norm = name.endswith("norm.weight")
-        full = full_tensor(name, tuple(p.shape), cfg.seed, init="ones" if norm else "normal", std=0.02)
-        if cfg.perturb_seed is not None:
-            full = perturb_ulp(full, cfg.perturb_seed, name)
-        with torch.no_grad():
-            p.copy_(full)
+    tr.init_weights(model, coords={}, sizes={})   # a tied lm_head is listed once (embed_tokens)
     model.save_pretrained(directory)   # before the process group exists: transformers saves on rank 0 only
 
 
@@ -93,7 +84,7 @@ def load(cfg: Config, spec: dict, directory: str) -> Any:
 def validate(spec: dict) -> None:
     cfg = parse(spec)
     m, p = cfg.model, cfg.parallel
-    where = f"framework=hf, parallel={p.name}, model={m.name}"
+    where = f"job=hf, parallel={p.name}, model={m.name}"
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -110,50 +101,26 @@ def validate(spec: dict) -> None:
     need(m.num_kv_heads % p.tp == 0 or kv_bug,
          f"kv_heads={m.num_kv_heads} is not divisible by tp={p.tp}: transformers cannot split a KV head "
          "and has no correct style for replicated K/V projections; use model=llama_tiny_kv2 "
-         "(the framework=hf default)")
+         "(the job=hf default)")
     need(cfg.global_batch % cfg.micro_batch == 0, "data.global_batch must be divisible by data.micro_batch")
-    ours = sorted(n for n, b in bugs.CATALOG.items() if b.framework == "hf")
+    ours = sorted(n for n, b in bugs.CATALOG.items() if b.job == "hf")
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
 
 
-def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
-    from tracer.frameworks.dtensor import DTensorTracer
+def main(session: Session | None = None) -> dict[str, Any]:
+    """One rank of the Hugging Face job (an entrypoint of the job contract)."""
     from tracer.frameworks.hf import tp_local_layouts
 
-    t0 = time.perf_counter()
-    # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
-    # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
-    cfg = start_rank(spec, world_size, validate)
-    p = cfg.parallel
-    # transformers reads the torchrun variables when it builds its device mesh.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    directory = tempfile.mkdtemp(prefix="ttrace-hf-")   # this rank's private copy of the checkpoint
-    tracer = None
-    try:
-        write_checkpoint(cfg, directory)
-        dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s))
-        model = load(cfg, spec, directory)
-        mesh = getattr(model, "_device_mesh", None)
-        meta = {"workload": "hf", "model": cfg.model.name, "parallel": p.name, "bug": cfg.bug,
-                "precision": cfg.precision, "fingerprint": cfg.fingerprint}
-        if not cfg.trace_enabled:
-            tracer = DTensorTracer.disabled()
-        elif mesh is None:
-            tracer = DTensorTracer(cfg.store_url, cfg.run, rank, meta=meta, coords={"tp": 0}, sizes={"tp": 1})
-        else:
-            tracer = DTensorTracer(cfg.store_url, cfg.run, rank, mesh=mesh, meta=meta)
-        tracer.attach(model, local_layouts=tp_local_layouts(model))
-        step_losses = train(model, tracer, cfg, spec, rank, 0, None)
-        return {"rank": rank, "losses": step_losses, "seconds": time.perf_counter() - t0}
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    with harness.rank_job(validate, session, process_group=False) as job:
+        cfg, tr = job.cfg, job.session
+        directory = tempfile.mkdtemp(prefix="ttrace-hf-")   # this rank's private copy of the checkpoint
         try:
-            if tracer is not None:
-                tracer.close()
+            write_checkpoint(cfg, tr, directory)
+            job.init_process_group()           # transformers reads torchrun's variables for its mesh
+            model = load(cfg, job.spec, directory)
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            shutil.rmtree(directory, ignore_errors=True)
+        tr.attach(model, mesh=getattr(model, "_device_mesh", None), local_layouts=tp_local_layouts(model))
+        return {"losses": train(model, job, 0, 1, None)}

@@ -1,13 +1,14 @@
-"""framework=megatron_core: megatron-core's own GPTModel, DDP wrapper, pipeline schedules and grad
+"""job=megatron_core: megatron-core's own GPTModel, DDP wrapper, pipeline schedules and grad
 finalization, run on CPU (gloo) and traced by ttrace.
 
 The model is megatron-core's `GPTModel` with its local (non-Transformer-Engine) layer spec; its TP/SP
 layers, `DistributedDataParallel`, `get_forward_backward_func()` schedules and `finalize_model_grads`
 are the real library code. This adapter only builds them from the recipe, initializes weights
 consistently (tracer.full_tensor, sliced by the plan read from megatron's module attributes), and
-runs Adam with megatron's grad-norm clipping rule. The CPU shims live in `megatron_shims`.
+runs Adam with megatron's grad-norm clipping rule. The CPU shims live in `megatron_shims`. It is an
+entrypoint of the job contract (`main`) on the shared per-rank harness (workloads/harness.py).
 
-Bugs (workloads/bugs.py, `framework="megatron_core"`) are injected by patching the real megatron-core
+Bugs (workloads/bugs.py, `job="megatron_core"`) are injected by patching the real megatron-core
 function at fault for the duration of the job (`_inject`).
 """
 
@@ -16,31 +17,30 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tracer import ConfigError, Replicate, Tracer, full_tensor, param_layouts, perturb_ulp, token_batch
-from workloads import bugs, faults
-from workloads.frameworks import megatron_shims, refuse_isolation
+from tracer import Replicate
+from tracer.errors import ConfigError
+from tracer.job import Session
+from workloads import bugs, faults, harness
+from workloads.frameworks import megatron_shims
 
 NAME = "megatron_core"
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
 
 
 def _bugs() -> list[str]:
-    return sorted(n for n, b in bugs.CATALOG.items() if b.framework == NAME)
+    return sorted(n for n, b in bugs.CATALOG.items() if b.job == NAME)
 
 
 # -- validation ----------------------------------------------------------------------------------
 def validate(spec: Mapping[str, Any]) -> None:
     m, p = spec["model"], spec["parallel"]
-    where = f"framework={NAME}, parallel={p.get('name')}, model={m.get('name')}"
+    where = f"job={NAME}, parallel={p.get('name')}, model={m.get('name')}"
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -148,28 +148,6 @@ def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:
                     share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
 
 
-def init_weights(model: torch.nn.Module, plan: Mapping[str, Any], rename: Any, coords: Mapping[str, int],
-                 sizes: Mapping[str, int], seed: int, perturb_seed: int | None) -> None:
-    """Every parameter generated as its full logical tensor under its global name (one ulp perturbed
-    for perturbed references), then sliced to this rank's shard by the plan's layout."""
-    modules = dict(model.named_modules())
-    for name, layout in param_layouts(model, plan).items():
-        p = model.get_parameter(name)
-        shape = list(p.shape)
-        for dim, axis in layout.shard:
-            shape[dim] *= sizes[axis]
-        owner, kind = modules[name.rpartition(".")[0]], name.rpartition(".")[2]
-        is_norm = isinstance(owner, (torch.nn.LayerNorm, torch.nn.RMSNorm))
-        init = (("ones" if kind == "weight" else "zeros") if is_norm
-                else ("zeros" if kind == "bias" else "normal"))
-        gname = rename(name)
-        full = full_tensor(gname, tuple(shape), seed, init=init, std=0.02)
-        if perturb_seed is not None:
-            full = perturb_ulp(full, perturb_seed, gname)
-        with torch.no_grad():
-            p.copy_(layout.local(full, coords, sizes))
-
-
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """megatron's rule (optimizer/clip_grads.py, which allocates on CUDA): squares of grads of params
     that are not TP duplicates, summed over the model-parallel group."""
@@ -190,23 +168,20 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return total
 
 
-@dataclass
-class _Microbatch:
-    index: int
-    ids: torch.Tensor
-    labels: torch.Tensor
-
-
 # -- entry point ---------------------------------------------------------------------------------
-def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
-    refuse_isolation(spec)   # not wired for megatron-core yet (workloads/frameworks)
-    validate(spec)
-    p = spec["parallel"]
-    tp, pp, sp = int(p.get("tp", 1)), int(p.get("pp", 1)), bool(p.get("sp"))
-    if int(p["world_size"]) != world_size:
-        raise ConfigError(f"parallel={p.get('name')} declares world_size={p['world_size']} but the job was "
-                          f"launched with {world_size} ranks")
-    megatron_shims.install()
+def main(session: Session | None = None) -> dict[str, Any]:
+    """One rank of the megatron-core job (an entrypoint of the job contract)."""
+    with harness.rank_job(validate, session) as job:
+        megatron_shims.install()
+        from megatron.core import parallel_state as mps
+
+        try:
+            return {"losses": _train(job)}
+        finally:
+            mps.destroy_model_parallel()
+
+
+def _train(job: harness.RankJob) -> list[float]:
     from megatron.core import parallel_state as mps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -214,99 +189,69 @@ def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_po
 
     from tracer.frameworks.megatron_core import layer_renaming, plan_for, tensor_parallel_attrs
 
-    t0 = time.perf_counter()
-    torch.set_num_threads(1)
-    trace = spec.get("trace") or {}
-    timeout = timedelta(seconds=float(spec.get("timeout_s", 300)))
-    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timeout)
-    tracer = None
-    try:
-        mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                      distributed_timeout_minutes=max(1, int(timeout.total_seconds() // 60)))
-        dp = mps.get_data_parallel_world_size()
-        coords = {"tp": mps.get_tensor_model_parallel_rank(), "pp": mps.get_pipeline_model_parallel_rank(),
-                  "dp": mps.get_data_parallel_rank()}
-        sizes = {"tp": tp, "pp": pp, "dp": dp}
-        config = _config(spec, tp, pp, sp)
-        model = _build(spec, config)
-        plan, rename = plan_for(model), layer_renaming(model)   # the integration (README)
-        init_weights(model, plan, rename, coords, sizes, int(spec["seed"]), trace.get("perturb_seed"))
-        tensor_parallel_attrs(model, plan)
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=False, bucket_size=None), model)
-        if trace.get("enabled", True):
-            tracer = Tracer(trace["store_url"], trace["run"], rank, coords=coords, sizes=sizes, meta={
-                "workload": NAME, "model": spec["model"]["name"], "parallel": p.get("name"),
-                "bug": bugs.bug_name(spec), "precision": "fp32", "pp_stage": coords["pp"],
-                "fingerprint": trace.get("fingerprint")})
-        else:
-            tracer = Tracer.disabled()
-        tracer.attach(model, plan, rename=rename)
-        gb, mbs = int(spec["data"]["global_batch"]), int(spec["data"]["micro_batch"])
-        m_global = gb // mbs
-        m_local = m_global // dp
-        tracer.set_grad_scale(m_local / m_global)
-        params = [q for q in model.parameters() if q.requires_grad]
-        optim = spec["optim"]
-        optimizer = torch.optim.Adam(params, lr=float(optim["lr"]), betas=(0.9, 0.95), eps=1e-8,
-                                     weight_decay=0.0, foreach=False)
-        seq = int(spec["model"]["seq_len"])
-        mask = megatron_shims.causal_mask(seq)
-        positions = torch.arange(seq)[None].expand(mbs, seq)
-        forward_backward = get_forward_backward_func()
-        last = mps.is_pipeline_last_stage()
+    spec, cfg, tracer = job.spec, job.cfg, job.session
+    p = spec["parallel"]
+    tp, pp, sp = int(p.get("tp", 1)), int(p.get("pp", 1)), bool(p.get("sp"))
+    mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
+    dp = mps.get_data_parallel_world_size()
+    coords = {"tp": mps.get_tensor_model_parallel_rank(), "pp": mps.get_pipeline_model_parallel_rank(),
+              "dp": mps.get_data_parallel_rank()}
+    sizes = {"tp": tp, "pp": pp, "dp": dp}
+    config = _config(spec, tp, pp, sp)
+    model = _build(spec, config)
+    plan, rename = plan_for(model), layer_renaming(model)   # the integration (README)
+    tracer.init_weights(model, plan, rename=rename, coords=coords, sizes=sizes)
+    tensor_parallel_attrs(model, plan)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=False, bucket_size=None), model)
+    tracer.attach(model, plan, rename=rename, coords=coords, sizes=sizes, meta={"pp_stage": coords["pp"]})
+    m_local, mbs = cfg.micro_batches_local, cfg.micro_batch
+    tracer.set_grad_scale(m_local / cfg.micro_batches_global)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                 foreach=False)
+    seq = cfg.model.seq_len
+    mask = megatron_shims.causal_mask(seq)
+    positions = torch.arange(seq)[None].expand(mbs, seq)
+    forward_backward = get_forward_backward_func()
+    last = mps.is_pipeline_last_stage()
 
-        step_losses: list[float] = []
-        with _inject(bugs.bug_name(spec)):
-            for step in range(int(spec["steps"])):
-                tokens = token_batch(int(spec["seed"]), step, gb, seq, int(spec["model"]["vocab"]))
-                local = tokens[coords["dp"] * gb // dp:(coords["dp"] + 1) * gb // dp]
-                batches = [_Microbatch(coords["dp"] * m_local + j, c[:, :-1], c[:, 1:])
-                           for j, c in enumerate(local.split(mbs))]
-                losses: list[float] = []
+    step_losses: list[float] = []
+    with _inject(bugs.bug_name(spec)):
+        for step in range(cfg.steps):
+            batches = job.microbatches(step, coords["dp"], dp)
+            losses: list[float] = []
 
-                def forward_step(data_iterator, model_chunk, _losses=losses):  # noqa: ANN001
-                    mb = next(data_iterator)
-                    with tracer.microbatch(mb.index):
-                        out = model_chunk(mb.ids, positions, mask, labels=mb.labels)
+            def forward_step(data_iterator, model_chunk, _losses=losses):  # noqa: ANN001
+                mb = next(data_iterator)
+                with tracer.microbatch(mb.index):
+                    out = model_chunk(mb.ids, positions, mask, labels=mb.labels)
 
-                    def loss_func(per_token: torch.Tensor, mb=mb):  # noqa: ANN001
-                        # per-token loss [b, s] from megatron's vocab-parallel cross-entropy
-                        tracer.record("loss", "output", per_token, Replicate(), microbatch=mb.index,
-                                      module_type="vocab_parallel_cross_entropy")
-                        loss = per_token.mean()
-                        tracer.record_loss(loss.detach(), microbatch=mb.index)
-                        _losses.append(loss.item())
-                        return loss, {"lm loss": loss.detach()}   # the schedule divides by m_local
-                    return out, loss_func
+                def loss_func(per_token: torch.Tensor, mb=mb):  # noqa: ANN001
+                    # per-token loss [b, s] from megatron's vocab-parallel cross-entropy
+                    tracer.record("loss", "output", per_token, Replicate(), microbatch=mb.index,
+                                  module_type="vocab_parallel_cross_entropy")
+                    loss = per_token.mean()
+                    tracer.record_loss(loss.detach(), microbatch=mb.index)
+                    _losses.append(loss.item())
+                    return loss, {"lm loss": loss.detach()}   # the schedule divides by m_local
+                return out, loss_func
 
-                with tracer.step(step):
-                    ddp.zero_grad_buffer()
-                    optimizer.zero_grad(set_to_none=True)
-                    forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-                                     num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
-                                     forward_only=False)
-                    faults.maybe_inject(spec, rank, step)
-                    finalize_model_grads([ddp])   # DP all-reduce, SP LayerNorm grads over TP, embeddings
-                    tracer.record_param_grads(model)
-                    clip_grad_norm(params, float(optim["clip_grad"]))
-                    for q in params:
-                        q.grad = q.main_grad
-                    optimizer.step()
-                    tracer.record_params(model)
-                if last:
-                    total = torch.tensor(sum(losses), dtype=torch.float64)
-                    if dp > 1:
-                        dist.all_reduce(total, group=mps.get_data_parallel_group())
-                    step_losses.append(total.item() / m_global)
-        return {"rank": rank, "losses": step_losses, "seconds": time.perf_counter() - t0}
-    finally:
-        try:
-            if tracer is not None:
-                tracer.close()
-        finally:
-            try:
-                mps.destroy_model_parallel()
-            finally:
-                dist.destroy_process_group()
+            with tracer.step(step):
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad(set_to_none=True)
+                forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                 num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
+                                 forward_only=False)
+                faults.maybe_inject(spec, job.rank, step)
+                finalize_model_grads([ddp])   # DP all-reduce, SP LayerNorm grads over TP, embeddings
+                tracer.record_param_grads(model)
+                clip_grad_norm(params, cfg.clip_grad)
+                for q in params:
+                    q.grad = q.main_grad
+                optimizer.step()
+                tracer.record_params(model)
+            if last:
+                step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
+    return step_losses

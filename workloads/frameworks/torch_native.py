@@ -1,4 +1,4 @@
-"""framework=torch_native: a torchtitan-style Llama parallelized with torch's own APIs, traced with
+"""job=torch_native: a torchtitan-style Llama parallelized with torch's own APIs, traced with
 layouts read from DTensor placements (tracer/frameworks/dtensor.py), with no tracing plan.
 
 The model (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings; module names as torchtitan's) is
@@ -13,27 +13,25 @@ GQA with fewer KV heads than TP ranks (llama_tiny: 1 KV head, tp=2) cannot shard
 K/V, and its local gradient is declared `Partial` (each rank backpropagates only its own query
 heads), so DTensor all-reduces the wk/wv weight grads.
 
-Weights: every parameter is generated as its full logical tensor by global name
-(`tracer.full_tensor`, optionally perturbed by one ulp) before parallelization; torch's
-`distribute_tensor` then keeps each rank's shard, so reference and candidate start bit-identical.
+Weights: every parameter is generated as its full logical tensor by global name (`tr.init_weights`,
+the consistent generator) before parallelization; torch's `distribute_tensor` then keeps each rank's
+shard, so reference and candidate start bit-identical. The session perturbs them (perturbed role)
+and reads every layout from DTensor placements when it attaches, after parallelization.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tracer import ConfigError, full_tensor, perturb_ulp, token_batch
-from workloads import bugs, faults
+from tracer import ConfigError
+from tracer.job import Session
+from workloads import bugs, faults, harness
 from workloads.config import Config, parse
-from workloads.frameworks import start_rank
 from workloads.llama import rotary
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
@@ -108,17 +106,6 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h))
-
-
-def init_weights(model: nn.Module, seed: int, perturb_seed: int | None) -> None:
-    """Full logical tensors by name from the consistent generator, before any sharding."""
-    for name, p in model.named_parameters():   # a tied weight is listed once (tok_embeddings)
-        norm = isinstance(model.get_submodule(name.rpartition(".")[0]), nn.RMSNorm)
-        full = full_tensor(name, tuple(p.shape), seed, init="ones" if norm else "normal", std=0.02)
-        if perturb_seed is not None:
-            full = perturb_ulp(full, perturb_seed, name)
-        with torch.no_grad():
-            p.copy_(full)
 
 
 # -- parallelization (torch's own APIs) ------------------------------------------------------------
@@ -224,41 +211,34 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return total
 
 
-def train(model: nn.Module, tracer: Any, cfg: Config, spec: dict, rank: int, dp_rank: int,
-          dp_group: Any) -> list[float]:
-    """`cfg.steps` steps of Adam on this DP rank's microbatches (grad accumulation, loss / local count,
-    DP averaging left to the framework); traced like the built-in trainer. Returns the global mean
-    loss per step."""
-    m_local, dp = cfg.micro_batches_local, cfg.parallel.dp
+def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp_group: Any) -> list[float]:
+    """`steps` steps of Adam on this DP rank's microbatches (grad accumulation, loss / local count,
+    DP averaging left to the framework); traced by the job's session. Returns the global mean loss
+    per step."""
+    cfg, tracer = job.cfg, job.session
+    m_local = cfg.micro_batches_local
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=0.0, foreach=False)
-    per_dp = cfg.global_batch // dp
     step_losses: list[float] = []
     for step in range(cfg.steps):
         with tracer.step(step):
             optimizer.zero_grad(set_to_none=True)
-            tokens = token_batch(cfg.seed, step, cfg.global_batch, cfg.model.seq_len, cfg.model.vocab)
-            local = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]
             losses = []
-            for j, chunk in enumerate(local.split(cfg.micro_batch)):
-                mb = dp_rank * m_local + j
-                with tracer.microbatch(mb):
-                    logits = model(chunk[:, :-1])
+            for mb in job.microbatches(step, dp_rank, dp_size):
+                with tracer.microbatch(mb.index):
+                    logits = model(mb.ids)
                     logits = getattr(logits, "logits", logits)   # Hugging Face models return an output object
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
-                tracer.record_loss(loss.detach(), microbatch=mb)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten())
+                tracer.record_loss(loss.detach(), microbatch=mb.index)
                 losses.append(loss.item())
                 (loss / m_local).backward()   # FSDP2 averages over dp in its reduce-scatter
-            faults.maybe_inject(spec, rank, step)
+            faults.maybe_inject(job.spec, job.rank, step)
             tracer.record_param_grads(model)
             clip_grad_norm(model, cfg.clip_grad)
             optimizer.step()
             tracer.record_params(model)
-        total = torch.tensor(sum(losses), dtype=torch.float64)
-        if dp_group is not None:
-            dist.all_reduce(total, group=dp_group)
-        step_losses.append(total.item() / cfg.micro_batches_global)
+        step_losses.append(job.mean_loss(losses, dp_group))
     return step_losses
 
 
@@ -266,7 +246,7 @@ def train(model: nn.Module, tracer: Any, cfg: Config, spec: dict, rank: int, dp_
 def validate(spec: dict) -> None:
     cfg = parse(spec)
     m, p = cfg.model, cfg.parallel
-    where = f"framework=torch_native, parallel={p.name}, model={m.name}"
+    where = f"job=torch_native, parallel={p.name}, model={m.name}"
 
     def need(ok: bool, msg: str) -> None:
         if not ok:
@@ -289,41 +269,22 @@ def validate(spec: dict) -> None:
     need(not p.sp or m.seq_len % tp == 0, f"seq_len={m.seq_len} must be divisible by tp under sp")
     need(cfg.global_batch % (p.dp * cfg.micro_batch) == 0,
          f"data.global_batch={cfg.global_batch} must be divisible by dp*micro_batch")
-    ours = sorted(n for n, b in bugs.CATALOG.items() if b.framework == "torch_native")
+    ours = sorted(n for n, b in bugs.CATALOG.items() if b.job == "torch_native")
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a torch-native bug; known: {', '.join(ours)} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
 
 
-def run_rank(spec: dict, rank: int, world_size: int, master_addr: str, master_port: int) -> dict:
+def main(session: Session | None = None) -> dict[str, Any]:
+    """One rank of the torch-native job (an entrypoint of the job contract)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tracer.frameworks.dtensor import DTensorTracer
-
-    t0 = time.perf_counter()
-    # DTensorTracer can feed reference tensors (clean tp2/tp2_sp isolation runs flag nothing), but on
-    # tn_gqa_kv_gathered_output the isolated run's lm-head grad_output diverges, unexplained: not wired.
-    cfg = start_rank(spec, world_size, validate)
-    p = cfg.parallel
-    dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=cfg.timeout_s))
-    tracer = None
-    try:
+    with harness.rank_job(validate, session) as job:
+        cfg, tr, p = job.cfg, job.session, job.cfg.parallel
         mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         model = Transformer(cfg)
-        init_weights(model, cfg.seed, cfg.perturb_seed)
-        parallelize(model, mesh, cfg, spec)
-        meta = {"workload": "torch_native", "model": cfg.model.name, "parallel": p.name, "bug": cfg.bug,
-                "precision": cfg.precision, "fingerprint": cfg.fingerprint}
-        tracer = (DTensorTracer(cfg.store_url, cfg.run, rank, mesh=mesh, meta=meta)
-                  if cfg.trace_enabled else DTensorTracer.disabled())
-        tracer.attach(model)
-        step_losses = train(model, tracer, cfg, spec, rank, mesh["dp"].get_local_rank(),
-                            mesh["dp"].get_group() if p.dp > 1 else None)
-        return {"rank": rank, "losses": step_losses, "seconds": time.perf_counter() - t0}
-    finally:
-        try:
-            if tracer is not None:
-                tracer.close()
-        finally:
-            dist.destroy_process_group()
+        tr.init_weights(model)                 # full logical weights, before sharding
+        parallelize(model, mesh, cfg, job.spec)
+        tr.attach(model, mesh=mesh)            # layouts from DTensor placements; the role applied
+        dp = mesh["dp"]
+        return {"losses": train(model, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None)}
