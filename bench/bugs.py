@@ -193,7 +193,9 @@ def main() -> int:
     out.with_suffix(".md").write_text(md)
     print(md)
     print(f"wrote {out} and {out.with_suffix('.md')}")
-    ok = totals["detected"] == totals["bugs"] and totals["clean_pass"] == totals["clean"]
+    # Exit 1 on any miss, any culprit away from its catalogued module, any clean counterpart not passing.
+    ok = (totals["detected"] == totals["bugs"] and totals["correct"] == totals["bugs"]
+          and totals["clean_pass"] == totals["clean"])
     return 0 if ok else 1
 
 

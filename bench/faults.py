@@ -193,7 +193,10 @@ def trace_damage(s: Suite) -> None:
     policy = TolerancePolicy.from_config(compose(BASE)["tolerance"])
     src = Path(rep["store"]) / "candidate"
 
-    def judge(name: str, damage: Callable[[Path], None], mutate: Callable[[Any], None] | None = None) -> str:
+    def judge(name: str, damage: Callable[[Path], None], mutate: Callable[[Any], None] | None = None,
+              must: str = "") -> str:
+        """Survived: an error (exit 2) whose message contains `must` (it names the fault, not some
+        other failure), or a FAIL whose reason contains it."""
         root = s.work / "damaged" / name.replace(" ", "_")
         shutil.copytree(src, root / "candidate")
         damage(root / "candidate" / "rank00001")
@@ -202,14 +205,16 @@ def trace_damage(s: Suite) -> None:
             cand = load_logical(str(root), "candidate", 2)
             if mutate:
                 mutate(cand)
-            verdict = compare(ref, cand, pert, policy).verdict
+            res = compare(ref, cand, pert, policy)
         except TTraceError as e:   # the check turns this into exit 2 with this message
             if name != "undamaged copy":
-                s.record(name, True, str(e), time.monotonic() - t0)
+                s.record(name, must in str(e), str(e), time.monotonic() - t0)
             return "error"
         if name != "undamaged copy":
-            s.record(name, verdict == "fail", f"verdict {verdict}", time.monotonic() - t0, "1|2")
-        return verdict
+            why = res.first_divergence.reason if res.first_divergence else ""
+            s.record(name, res.verdict == "fail" and must in why, f"verdict {res.verdict}: {why}",
+                     time.monotonic() - t0, "1")
+        return res.verdict
 
     if (v := judge("undamaged copy", lambda d: None)) != "pass":   # the harness itself must be sound
         raise SystemExit(f"an undamaged copy of the candidate trace gave '{v}', not pass")
@@ -237,13 +242,15 @@ def trace_damage(s: Suite) -> None:
         name = cand.order[0]
         cand.info[name] = dict(cand.info[name], dtype="bfloat16")
 
-    judge("trace part truncated", truncate)
-    judge("trace part corrupted", corrupt)
-    judge("trace part missing", lambda d: part(d).unlink())
-    judge("rank manifest missing", lambda d: (d / "manifest.json").unlink())
-    judge("manifest of other recipe", other_recipe)
-    judge("shape mismatch", lambda d: None, shape)
-    judge("dtype mismatch", lambda d: None, dtype)
+    judge("trace part truncated", truncate, must="truncated or corrupt")
+    judge("trace part corrupted", corrupt, must="checksum mismatch")
+    judge("trace part missing", lambda d: part(d).unlink(), must="listed in the manifest is missing")
+    judge("rank manifest missing", lambda d: (d / "manifest.json").unlink(),
+          must="no committed manifest for rank(s) [1]")
+    judge("manifest of other recipe", other_recipe, must="different recipe")
+    # A candidate tensor of another shape is a wrong layout: a verdict at that tensor (reason shape).
+    judge("shape mismatch", lambda d: None, shape, must="shape: candidate reassembles")
+    judge("dtype mismatch", lambda d: None, dtype, must="bfloat16 but the reference as float32")
 
 
 def recipe_errors(s: Suite) -> None:

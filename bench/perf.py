@@ -33,13 +33,14 @@ OUT = ROOT / "bench" / "perf.json"
 MODELS = {"gpt_tiny": [], "gpt_tiny_4x": ["model.hidden=128", "model.ffn_hidden=512"]}
 SCALES = {"1x": 2, "4x": 8, "16x": 32}   # model.layers: trace size grows linearly with depth
 R = 3
+CANDIDATE, CANDIDATE_RANKS = "tp2", 2   # the compared candidate is sharded, never the reference's twin
 
 
 def _spec(overrides: list[str], store: str, run: str, *, trace: bool = True,
-          perturb_seed: int | None = None) -> dict[str, Any]:
+          perturb_seed: int | None = None, parallel: str = "single") -> dict[str, Any]:
     from orchestrator.recipe import compose, job_spec
 
-    rec = compose(["parallel=single", *overrides])
+    rec = compose([f"parallel={parallel}", *overrides])
     spec = job_spec(rec, role="perturbed" if perturb_seed else "candidate", run=run, store_url=store,
                     perturb=perturb_seed)
     spec["trace"]["enabled"] = trace
@@ -83,6 +84,27 @@ def _train(specs: list[dict[str, Any]], q: Any) -> None:
         train.main(_timed_session(spec, env, times))
         out.append({"steps": times, "wall": time.perf_counter() - t0})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
+    """Child process: one rank of a multi-rank job (the built-in job's entrypoint, as launched)."""
+    import os
+
+    from tracer.job import JobConfig, Session
+    from workloads import train
+
+    env = {"RANK": str(rank), "WORLD_SIZE": str(spec["parallel"]["world_size"]), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    train.main(Session(JobConfig.from_spec(spec, env=env)))
+
+
+def _spawn_ranks(spec: dict[str, Any]) -> None:
+    """Run a multi-rank job (one process per rank) to completion."""
+    from orchestrator.cluster import free_port
+
+    mp.start_processes(_rank, args=(spec, free_port("127.0.0.1")), nprocs=int(spec["parallel"]["world_size"]),
+                       join=True, start_method="spawn")
 
 
 def _spawn(specs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -129,7 +151,8 @@ def _compare(store: str, runs: list[str], q: Any) -> None:
     policy = TolerancePolicy.from_config(compose([])["tolerance"])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
-    ref, *pert, cand = (load_logical(store, r, 1, lazy=True) for r in runs)   # as a check reads them
+    ref, *pert = (load_logical(store, r, 1, lazy=True) for r in runs[:-1])   # as a check reads them
+    cand = load_logical(store, runs[-1], CANDIDATE_RANKS, lazy=True)
     load_s = time.perf_counter() - t0
     res = compare(ref, cand, pert, policy)
     q.put({"load_s": load_s, "compare_total_s": time.perf_counter() - t0, "verdict": res.verdict,
@@ -146,7 +169,9 @@ def compare_scaling(tmp: Path) -> dict[str, Any]:
         ov = [f"model.layers={layers}"]
         runs = ["reference", *(f"perturbed{i}" for i in range(1, R + 1)), "candidate"]
         _spawn([_spec(ov, store, "reference"), *(_spec(ov, store, f"perturbed{i}", perturb_seed=i)
-                                                  for i in range(1, R + 1)), _spec(ov, store, "candidate")])
+                                                  for i in range(1, R + 1))])
+        # The candidate is sharded (tp2): the comparison reassembles it, as in a real check.
+        _spawn_ranks(_spec(ov, store, "candidate", parallel=CANDIDATE))
         # Raw read: every byte of every part and manifest, through the same fsspec filesystem.
         fs = fsspec.filesystem("file")
         files = [f for f in fs.find(store) if f.endswith((".safetensors", ".json"))]
@@ -192,7 +217,7 @@ def table(r: dict[str, Any]) -> str:
                      f"{o['step_ratio_median']:>8.2f}{o['wall_ratio']:>8.2f}{o['off']['peak_rss_mb']:>11.0f}"
                      f"{o['on']['peak_rss_mb']:>10.0f}{o['rss_ratio']:>7.2f}"
                      f"{o['trace_bytes_per_step'] / 1e6:>15.2f}")
-    lines += ["", "comparison (reference + 3 perturbed + candidate, local store)",
+    lines += ["", "comparison (reference + 3 perturbed + a tp2 candidate, local store)",
               f"{'size':<5}{'layers':>7}{'MB':>8}{'tensors':>8}{'raw GB/s':>10}{'load s':>8}{'compare s':>10}"
               f"{'cmp GB/s':>9}{'ratio':>7}{'s/GB':>8}{'peak RSS MB':>12}"]
     for s, c in r.get("scaling", {}).items():

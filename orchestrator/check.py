@@ -352,6 +352,11 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
                               "the tolerance is estimated from them; launch the job R >= 2 more times on one "
                               "device with TTRACE_ROLE=perturbed TTRACE_PERTURB=1, 2, ... "
                               "(README, `ttrace compare`)")
+        if len(perturbed) < 2:
+            raise TTraceError(f"only one perturbed reference run ({perturbed[0]}) under {root}: the "
+                              "elementwise tolerance scores each run against the others' noise, so at "
+                              "least 2 are needed; launch another with TTRACE_ROLE=perturbed "
+                              "TTRACE_PERTURB=2")
         if isolated is None and "isolated" in present:
             isolated = "isolated"
         t0 = time.perf_counter()

@@ -145,9 +145,13 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     if int(recipe.get("steps", 0)) < 1:
         raise ConfigError(f"steps={recipe.get('steps')}: a check needs at least one training step")
     tol = recipe["tolerance"]
-    if int(tol["perturbations"]) < 1:
-        raise ConfigError("tolerance.perturbations must be >= 1: the tolerance is estimated from "
-                          "perturbed reference runs")
+    if int(tol["perturbations"]) < 2:
+        raise ConfigError(f"tolerance.perturbations={tol['perturbations']}: at least 2 perturbed reference "
+                          "runs are needed; the elementwise tolerance scores each run against the others' "
+                          "noise (leave-one-out), which one run cannot do, and clean checks then fail")
+    from tracer.tolerance import TolerancePolicy
+
+    TolerancePolicy.from_config(tol)
     if recipe.get("localize", True) not in (True, False, "always"):
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")

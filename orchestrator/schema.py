@@ -115,6 +115,7 @@ class Tolerance:
     k_elem: float = 6.0
     floor_elem: float = 4.0
     depth_c: float = 1.03
+    replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
 
 
 @dataclass

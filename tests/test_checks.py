@@ -86,7 +86,7 @@ def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overri
 ])
 def test_a_failing_rank_ends_in_an_error_never_a_verdict(ray_cluster, workdir, kind, needle):
     res = check(workdir, "parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
-                "tolerance.perturbations=1", "timeout_s=40")
+                "tolerance.perturbations=2", "timeout_s=40")
     assert res.verdict == "error" and res.exit_code == 2, res.report.get("first_divergence")
     assert needle in res.message, res.message
     saved = json.loads(res.report_path.read_text())
@@ -97,7 +97,7 @@ def test_a_nan_produced_by_the_candidate_fails_the_check(ray_cluster, workdir):
     """A rank produces a NaN gradient element mid-step: the check fails on non-finite values (exit 1),
     never passes; the isolation pass (whose rerun has no fault) cannot blame a module on its own."""
     res = check(workdir, "parallel=tp2", "fault.kind=nan_grad", "fault.rank=1", "fault.step=0",
-                "tolerance.perturbations=1", "tracking.enabled=false")
+                "tolerance.perturbations=2", "tracking.enabled=false")
     assert res.verdict == "fail" and res.exit_code == 1
     fd = res.report["first_divergence"]
     assert fd["kind"] == "param_grad" and "non-finite" in fd["reason"], fd

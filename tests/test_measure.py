@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tracer.compare import cosine, max_err, rel_err
+from tracer.compare import cosine, max_err, reference_norm, rel_err
 from tracer.measure import BLOCK, TensorKey, measure
 from tracer.tolerance import elem_err, elem_noise, noise_scale
 
@@ -13,9 +13,19 @@ K_ELEM = 6.0
 U = 2.0**-24
 
 
+def _beyond(dev, env, r, unit):
+    """How many elements are beyond K_ELEM x their envelope (one ulp of room where nothing moved)."""
+    return int((dev > K_ELEM * torch.maximum(env, r.abs() * unit)).sum())
+
+
+def _others(ps, j, r):
+    """The envelope of every perturbed run but run j."""
+    return torch.stack([(q - r).abs() for i, q in enumerate(ps) if i != j]).amax(0)
+
+
 def _oracle(keys, ref, cand, perts):
     """One tensor at a time, in float64, straight from the definitions (causal Adam excusal)."""
-    masks, grad_dev, out = {}, {}, {}
+    masks, grad_dev, out, previous, updates = {}, {}, {}, {}, {}
 
     def add(path, m):
         masks[path] = m if path not in masks else masks[path] | m
@@ -29,20 +39,39 @@ def _oracle(keys, ref, cand, perts):
             gain = torch.where(p_dg > 0, dp / p_dg, torch.zeros_like(dp))
             diff = (c - r).abs()
             add(k.path, (diff > 0) & (c_dg > 0) & (diff <= K_ELEM * gain * c_dg))
-        full_c = c
+        full_c, extra = c, {}
+        if k.kind == "param":
+            if k.path in previous:   # the reference's own updates, summed over the steps so far
+                updates[k.path] = updates.get(k.path, 0.0) + float((r - previous[k.path]).abs().max())
+            previous[k.path] = r
+            extra["updates"] = updates.get(k.path, math.nan)
+            extra["absmax"] = float(r.abs().max()) if r.numel() else 0.0
+            if ps:
+                env = torch.stack([(p - r).abs() for p in ps]).amax(0)
+                extra["env_max"] = float(env.max()) if r.numel() else 0.0
         if k.kind == "param" and k.path in masks:
-            keep = ~masks[k.path]
+            m = masks[k.path]
+            if m.any():   # the excused elements' bounds: largest move, and counts beyond the envelope
+                extra["excused_dev"] = float((c - r).abs()[m].max())
+                if ps:
+                    extra["beyond"] = _beyond((c - r).abs()[m], env[m], r[m], k.unit)
+                    noise = [_beyond((p - r).abs()[m], _others(ps, j, r)[m], r[m], k.unit)
+                             for j, p in enumerate(ps)] if len(ps) > 1 else [0]
+                    extra["beyond_noise"] = max(noise)
+            keep = ~m
             r, c, ps = r[keep], c[keep], [p[keep] for p in ps]
-        nu = max((rel_err(p, r) for p in ps), default=0.0)
-        out[k.name] = {
-            "rel_err": rel_err(c, r), "max_err": max_err(c, r), "cosine": cosine(c, r),
+        norm = reference_norm(r, ps)
+        nu = max((rel_err(p, r, norm) for p in ps), default=0.0)
+        out[k.name] = extra | {
+            "rel_err": rel_err(c, r, norm), "max_err": max_err(c, r), "cosine": cosine(c, r),
             "nonfinite": int((~torch.isfinite(full_c)).sum()), "noise": nu,
             "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),
             "max_noise": max((max_err(p, r) for p in ps), default=0.0),
             "elem_err": elem_err(c, r, noise_scale(ps, r, k.unit)), "excused": full_c.numel() - c.numel()}
         if k.kind == "param_grad" and ps and r.numel():
             env = torch.stack([(p - r).abs() for p in ps]).amax(0)
-            add(k.path, r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt()))
+            near = r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt())
+            add(k.path, near & ~((r == 0) & (env == 0)))   # exact zeros in every run: never excused
             grad_dev[k.path] = ((c - r).abs(), env)
     return out
 
@@ -66,9 +95,13 @@ def _traces(n_perturbed: int):
     noise = lambda t, s: t + s * t.abs().clamp_min(1e-3) * rnd(*t.shape)
     perts = [{n: noise(t, 1e-6) for n, t in ref.items()} for _ in range(n_perturbed)]
     cand = {n: noise(t, 2e-6) for n, t in ref.items()}
+    for run in (ref, cand, *perts):   # gradient elements exactly zero in every run: never excused
+        for step in range(2):
+            run[f"{step}/-/w/param_grad"][3::11] = 0.0
     cand["0/0/e/output"][1, 5] = float("nan")        # counted, and kept out of the other figures
     cand["0/0/big/output"][7, 3] += 1.0              # one corrupted element
-    cand["1/-/w/param"][::7] += 0.5                  # error only on excused elements
+    excused = [i for i in range(0, 300, 7) if (i - 3) % 11]   # near-zero grads, not exact zeros
+    cand["1/-/w/param"][excused] += 0.5              # error only on excused elements
     return keys, ref, cand, perts
 
 
@@ -87,6 +120,10 @@ def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_ele
                 assert g == pytest.approx(w, rel=1e-5, abs=1e-12), (k.name, field, g, w)
     if n_perturbed:   # the excusal did something, and the injected faults show
         assert got["1/-/w/param"].excused > 0 and got["1/-/w/param"].rel_err < 1e-3
+        assert got["1/-/w/param"].excused_dev == pytest.approx(0.5, rel=1e-3)   # ... but stays measured
+        assert got["1/-/w/param"].beyond > 4 * (got["1/-/w/param"].beyond_noise + 1)
+        # Gradients exactly zero in every run (every 11th element) give a deterministic update: judged.
+        assert got["0/-/w/param"].excused <= 300 - len(range(3, 300, 11))
         assert got["0/0/big/output"].elem_err > 1e3
     assert got["0/0/e/output"].nonfinite == 1
 

@@ -36,7 +36,7 @@ X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
 
 def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
               replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a",
-              flush_bytes: int = 32 << 20) -> None:
+              flush_bytes: int = 32 << 20, replica_ulp: bool = False) -> None:
     """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
 
     fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
@@ -56,6 +56,12 @@ def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: boo
                 y = m.out(gathered.requires_grad_(True))
                 loss = y.square().mean() * (1 + replica_skew * r)
             tr.record_loss(loss, microbatch=microbatch)
+            # A replicated tensor every rank holds whole; with replica_ulp, rank 1's copy is one ulp off
+            # in one element (a nondeterministic kernel, or a reduction applied on one rank only).
+            probe = X.clone()
+            if replica_ulp and r == 1:
+                probe[2, 1] = torch.nextafter(probe[2, 1], torch.tensor(float("inf")))
+            tr.record("probe", "output", probe, microbatch=microbatch)
             loss.backward()
             tr.record_param_grads(m)
             tr.record_params(m)
@@ -318,3 +324,20 @@ def test_a_part_that_cannot_be_read_is_an_error_naming_the_store(traces):
     part.mkdir()
     with pytest.raises(TraceError, match=r"reading trace part .* failed \(IsADirectoryError"):
         load(traces, "reference")
+
+
+def test_replicas_one_ulp_apart_fail_unless_the_recipe_declares_nondeterministic_kernels(traces):
+    """Honest replicas are bit-identical (45,022 tensors of clean checks: replica_err 0 every time), so
+    they are judged bitwise: one element one ulp apart fails. With tolerance.replicas=tolerance (a
+    recipe with nondeterministic kernels) the same difference is within the norm-wise tolerance."""
+    write_run(traces, "candidate", tp=2, replica_ulp=True)
+    ref, cand, pert = load(traces, "reference"), load(traces, "candidate", 2), load(traces, "perturbed-0")
+    res = compare(ref, cand, [pert], TolerancePolicy())
+    fd = res.first_divergence
+    assert res.verdict == "fail" and fd.name == "0/0/probe/output", fd
+    assert fd.reason.startswith("replicas on ranks (0, 1) differ in 1 element(s)"), fd.reason
+    assert fd.rel_err == 0.0   # the copy that is compared is right: only the replicas disagree
+    loose = compare(ref, load(traces, "candidate", 2), [pert], TolerancePolicy(replicas="tolerance"))
+    assert loose.verdict == "pass", loose.first_divergence
+    write_run(traces, "honest", tp=2)
+    assert compare(ref, load(traces, "honest", 2), [pert], TolerancePolicy()).verdict == "pass"

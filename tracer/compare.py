@@ -46,7 +46,13 @@ class TensorResult:
     elem_err: float = 0.0        # max_i |c_i - r_i| / per-element noise scale (tracer.tolerance)
     elem_noise: float = 0.0      # largest leave-one-out elem_err of a perturbed reference
     elem_tolerance: float = math.inf   # on elem_err
-    excused: int = 0             # param elements not judged: their update sign is within grad noise
+    excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:
+    excused_fraction: float = 0.0
+    excused_dev: float = 0.0     #   their largest |c - r|, against excused_bound
+    excused_bound: float = 0.0   #   k x the largest move of any perturbed run, any parameter, this step
+    beyond: int = 0              #   how many are beyond k_elem x their own perturbed envelope, against
+    beyond_noise: int = 0        #   the most any perturbed run has beyond the others' (x k, +1)
+    replica_differ: int = 0      # elements in which two candidate replicas differ bitwise
 
 
 @dataclass
@@ -67,11 +73,21 @@ class Comparison:
         }
 
 
-def rel_err(c: torch.Tensor, r: torch.Tensor) -> float:
-    diff = (c - r).norm().item()
+def reference_norm(r: torch.Tensor, perturbed: Sequence[torch.Tensor] = ()) -> float:
+    """What norm-wise errors are relative to: ||r||, or for an all-zero reference (a bias at init,
+    which the perturbation moves to +-denormals) the largest perturbed run's ||p - r||."""
+    ref = r.double().norm().item()
+    if ref > 0 or not perturbed:
+        return ref
+    return max((p.double() - r.double()).norm().item() for p in perturbed)
+
+
+def rel_err(c: torch.Tensor, r: torch.Tensor, norm: float | None = None) -> float:
+    """||c - r|| / norm (default ||r||); 0 if c == r, inf against a zero norm."""
+    diff = (c.double() - r.double()).norm().item()
     if diff == 0.0:
         return 0.0
-    ref = r.norm().item()
+    ref = r.double().norm().item() if norm is None else norm
     return diff / ref if ref > 0 else math.inf
 
 
@@ -155,6 +171,13 @@ def _check_perturbed_moved(reference: LogicalTrace, perturbed: Sequence[LogicalT
             "perturbed run must be launched with TTRACE_ROLE=perturbed TTRACE_PERTURB=<r>")
 
 
+def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
+    """What the measurement needs of every reference tensor, in execution order."""
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+    return [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
+                      math.prod(reference.shape(n))) for n in reference.order]
+
+
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
             policy: TolerancePolicy) -> Comparison:
     """Judge every reference tensor against the candidate; raise TraceError on mismatched runs."""
@@ -190,9 +213,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # huge where |g| is near Adam's eps: elements whose candidate error is explained by the
     # candidate's own (accepted) gradient deviation times the gain measured on the perturbed runs
     # are judged at the param_grad, not again here. Both live in tracer.measure.
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    keys = [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
-                      math.prod(reference.shape(n))) for n in reference.order]
+    keys = tensor_keys(reference)
     replicas: dict[str, Assembled] = {}
     arriving = _Arriving(candidate, reference, replicas)
     stats = measure(keys, _Arriving(reference, reference), arriving,
@@ -210,11 +231,28 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # Noise is pooled over the microbatches of a step: the same module and kind computed on
     # exchangeable data, so R perturbed runs give R * microbatches draws of the same noise process
     # (quantization noise is heavy-tailed: a few draws can land unluckily small).
-    family = lambda n: (reference.info[n]["step"], reference.info[n]["module"], reference.info[n]["kind"])
+    # A parameter's param_grad and param are their own family (a module's weight and its zero bias
+    # have nothing in common); a module's outputs pool over the step's microbatches.
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+    family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, float]] = {}
     for name in reference.order:
         f = pooled.get(family(name), (0.0, 0.0))
         pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise))
+
+    # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
+    # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
+    # parameter, summed over the steps so far, + one ulp of its largest element: a BF16 weight of 1.0
+    # that an Adam step of 1e-3 leaves unchanged may round the other way in another layout). Traces
+    # without the initial parameters (step -1, written by tracer.job sessions) fall back on the
+    # largest move any perturbed run made at that step.
+    move: dict[int, float] = {}
+    for name in reference.order:
+        if reference.info[name]["kind"] == "param":
+            step = reference.info[name]["step"]
+            move[step] = max(move.get(step, 0.0), stats[name].env_max)
+    bound = lambda st, step, unit: policy.k * (
+        (2 * st.updates if not math.isnan(st.updates) else move.get(step, 0.0)) + unit * st.absmax)
 
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
@@ -227,11 +265,16 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
             step=e["step"], microbatch=e["microbatch"], index=index,
             rel_err=_finite(st.rel_err), max_err=_finite(st.max_err), cosine=st.cosine, excused=st.excused,
-            nonfinite=st.nonfinite, replica_err=_finite(got.replica_err), tolerance=tol,
+            nonfinite=st.nonfinite, replica_err=_finite(got.replica_err), replica_differ=got.replica_differ,
+            tolerance=tol,
             noise=st.noise, max_noise=st.max_noise,
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
-            elem_tolerance=policy.elem_tolerance([e_noise]))
+            elem_tolerance=policy.elem_tolerance([e_noise]),
+            excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
+            excused_dev=_finite(st.excused_dev),
+            excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),
+            beyond=st.beyond, beyond_noise=st.beyond_noise)
         if name in arriving.mismatch:
             res.rel_err = res.max_err = res.elem_err = math.inf
             res.cosine, res.nonfinite, res.excused = math.nan, 0, 0
@@ -245,9 +288,24 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         elif res.elem_err > res.elem_tolerance:
             res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
                                          f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")
+        elif policy.replicas == "exact" and res.replica_differ:
+            res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} differ in "
+                                         f"{res.replica_differ} element(s) (rel {res.replica_err:.3g}); "
+                                         "replicas agree bit for bit unless the recipe declares "
+                                         "nondeterministic kernels "
+                                         "(tolerance.replicas=tolerance)")
         elif res.replica_err > tol:
             res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} disagree "
                                          f"(rel {res.replica_err:.3g} > {tol:.3g})")
+        elif res.excused and res.excused_dev > res.excused_bound:
+            res.ok, res.reason = False, (f"an excused element moved {res.excused_dev:.3g}, beyond "
+                                         f"{res.excused_bound:.3g} (k x twice the largest update the "
+                                         "optimizer made to this parameter): more than a step flipped by "
+                                         "noise can explain")
+        elif res.beyond > policy.k * (res.beyond_noise + 1):
+            res.ok, res.reason = False, (f"{res.beyond} of {res.excused} excused elements are beyond their "
+                                         f"perturbed envelope (a perturbed run: at most {res.beyond_noise}): "
+                                         "a systematic change of the update, not noise")
         results.append(res)
     first = next((r for r in results if not r.ok), None)
     return Comparison("pass" if first is None else "fail", results, first)

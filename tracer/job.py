@@ -69,6 +69,7 @@ ENV_SEED = "TTRACE_SEED"
 ROLES = ("reference", "perturbed", "candidate", "isolated")
 UNTRACED = "untraced"
 DEFAULT_SEED = 1234
+INITIAL_STEP = -1   # the canonical step of the parameters as attached, before any optimizer step
 
 
 def run_name(role: str, perturb: int | None = None) -> str:
@@ -318,6 +319,10 @@ class Session:
             self._tracer.attach(model, modules, rename=rename, local_layouts=local_layouts)
         self._tracer.set_grad_scale(self._grad_scale if self._grad_scale is not None
                                     else 1.0 / max(1, int(self.sizes.get("dp", 1))))
+        # The weights every layout starts from (step -1): compared like any parameter (a wrong init or
+        # load shows here), and the size of each later optimizer update is measured against them.
+        with self._tracer.step(INITIAL_STEP):
+            self._tracer.record_params(model)
         if self.role == "isolated":
             from tracer.isolation import ReferenceFeed
             from tracer.logical import load_logical

@@ -98,6 +98,7 @@ class Assembled:
     tensor: torch.Tensor
     replica_err: float = 0.0      # max relative Frobenius distance between replicas
     replica_ranks: tuple[int, int] | None = None  # the pair that disagreed most
+    replica_differ: int = 0       # most elements in which two replicas differ bitwise
     ranks: list[int] = field(default_factory=list)
 
 
@@ -108,6 +109,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if diff == 0.0:
         return 0.0
     return diff / denom if denom > 0 else float("inf")
+
+
+_SAME_WIDTH_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ (a NaN equals the same NaN; -0.0 differs from 0.0): honest replicas
+    are computed by the same kernels from the same inputs and agree bit for bit."""
+    if a.dtype != b.dtype:
+        return a.numel()
+    as_int = _SAME_WIDTH_INT[a.element_size()]
+    return int((a.contiguous().view(as_int) != b.contiguous().view(as_int)).sum())
 
 
 def _unzigzag(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -134,17 +147,20 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
         groups.setdefault(tuple(p.coords.get(a, 0) for a in key_axes), []).append(p)
 
     # Replicas: every piece of a group must equal the group's first piece.
-    replica_err, worst = 0.0, None
+    replica_err, worst, differ = 0.0, None, 0
     chosen: dict[tuple[int, ...], torch.Tensor] = {}
     for key, group in groups.items():
         first = group[0]
         for other in group[1:]:
             if other.tensor.shape != first.tensor.shape:
                 raise LayoutMismatch(f"{name}: replicas on ranks {first.rank} and {other.rank} have shapes "
-                                 f"{tuple(first.tensor.shape)} and {tuple(other.tensor.shape)}")
+                                     f"{tuple(first.tensor.shape)} and {tuple(other.tensor.shape)}")
+            n = _bits_differ(other.tensor, first.tensor)
+            if n == 0:
+                continue
             err = _rel(other.tensor, first.tensor)
-            if err > replica_err:
-                replica_err, worst = err, (first.rank, other.rank)
+            if (n, err) > (differ, replica_err):
+                replica_err, worst, differ = err, (first.rank, other.rank), n
         chosen[key] = first.tensor
 
     # Every coordinate of every sharded/partial axis must be present.
@@ -186,5 +202,5 @@ def assemble(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[
             raise LayoutMismatch(f"{name}: shards of shapes {shapes} do not concatenate along dim {dim} "
                                  f"({layout.shard[i][1]}): {str(e).splitlines()[0]}") from None
     (tensor,) = current.values()
-    return Assembled(tensor=tensor, replica_err=replica_err, replica_ranks=worst,
+    return Assembled(tensor=tensor, replica_err=replica_err, replica_ranks=worst, replica_differ=differ,
                      ranks=sorted(p.rank for p in pieces))

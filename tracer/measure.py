@@ -48,8 +48,16 @@ class TensorStats:
     elem_noise: float     # max_r leave-one-out elem_err(p_r)
     max_noise: float      # max_r max_err(p_r, r)
     elem_err: float       # max_i |c_i - r_i| / noise scale_i
-    excused: int          # param elements not judged (Adam excusal)
+    excused: int          # param elements left out of the figures above (Adam excusal)
     moved: int = 0        # bit r set: perturbed run r differs from the reference in this tensor
+    # Excused elements are still bounded (tracer.compare judges these):
+    excused_dev: float = 0.0   # largest |c_i - r_i| among the excused elements
+    env_max: float = 0.0       # largest |p_r,i - r_i| of any perturbed run, any element (params)
+    updates: float = math.nan  # sum over the steps so far of the reference's largest update of this
+                               # parameter (nan: its initial value is not in the trace)
+    absmax: float = 0.0        # largest |r_i| of a parameter (one ulp of room for its bound)
+    beyond: int = 0            # excused elements beyond k_elem x their perturbed envelope
+    beyond_noise: int = 0      # the same count for each perturbed run against the others (max over runs)
 
 
 @dataclass(frozen=True)
@@ -64,12 +72,15 @@ class TensorKey:
 
 
 class _Excusal:
-    """Per parameter path: the accumulated not-judged mask and the latest gradient deviation."""
+    """Per parameter path: the accumulated not-judged mask, the latest gradient deviation, and how far
+    the reference's own optimizer updates moved it (the scale an update flipped by noise can reach)."""
 
     def __init__(self, k_elem: float):
         self.k = k_elem
         self.masks: dict[str, torch.Tensor] = {}                          # flat bool
         self.grad_dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # (candidate, perturbed) |dg|
+        self.previous: dict[str, torch.Tensor] = {}                       # the reference's last param value
+        self.updates: dict[str, float] = {}                               # sum over steps of max |update|
 
     def add(self, path: str, mask: torch.Tensor) -> None:
         prev = self.masks.get(path)
@@ -180,10 +191,14 @@ def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]
 
 def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
-            k_elem: float, chunk_elems: int = CHUNK_ELEMS) -> dict[str, TensorStats]:
+            k_elem: float, chunk_elems: int = CHUNK_ELEMS,
+            excused_masks: dict[str, torch.Tensor] | None = None) -> dict[str, TensorStats]:
     """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
-    chunk in that order, and must have key.numel elements (the caller checks shapes)."""
+    chunk in that order, and must have key.numel elements (the caller checks shapes).
+    `excused_masks`, if given, receives each parameter path's final excusal mask (flat)."""
     excusal = _Excusal(k_elem)
+    if excused_masks is not None:
+        excusal.masks = excused_masks
     out: dict[str, TensorStats] = {}
     with _heap_keeps_chunks():
         for chunk in _chunks(keys, chunk_elems):
@@ -243,27 +258,52 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     env_full = _max_rows(a_full) if ps else torch.zeros_like(r)
 
     # Params: update each path's mask with the elements its gradient deviation explains, then
-    # judge only the elements outside the mask.
+    # judge the elements outside the mask with the figures below, and the excused ones against
+    # bounds (excused_dev, beyond; tracer.compare): never unconditionally.
     judged, counts = None, lengths
     params = [(i, k) for i, k in enumerate(chunk) if k.kind == "param"]
+    n = len(names)
+    excused_dev, env_max, beyond, beyond_noise = [0.0] * n, [0.0] * n, [0] * n, [0] * n
+    updates, absmax = [math.nan] * n, [0.0] * n
     if params:
         flat = lambda x: x.view(-1)
         diff_full = flat((c - r).abs())
+        env_flat = flat(env_full)
+        loo_full = [flat(x) for x in _leave_one_out(a_full)] if len(ps) > 1 else []
         tiny = torch.finfo(dtype).tiny
         judged = torch.ones_like(r, dtype=torch.bool)
-        excused = [0.0] * len(names)
+        excused = [0.0] * n
         for i, k in params:
             sl = blocks.slice(i)
+            if k.numel:
+                env_max[i] = float(env_flat[sl].max())
+            r_now = flat(r)[sl]
+            absmax[i] = float(r_now.abs().max()) if k.numel else 0.0
+            before = excusal.previous.get(k.path)
+            if before is not None and before.numel() == k.numel:
+                step_max = float((r_now - before.to(dtype)).abs().max()) if k.numel else 0.0
+                excusal.updates[k.path] = excusal.updates.get(k.path, 0.0) + step_max
+            excusal.previous[k.path] = r_now.clone()
+            updates[i] = excusal.updates.get(k.path, math.nan)
             dev = excusal.grad_dev.get(k.path)
             if ps and dev is not None and dev[0].numel() == k.numel:
                 c_dg, p_dg = (x.to(dtype) for x in dev)
-                gain = torch.where(p_dg > 0, flat(env_full)[sl] / p_dg.clamp_min(tiny), 0.0)
+                gain = torch.where(p_dg > 0, env_flat[sl] / p_dg.clamp_min(tiny), 0.0)
                 diff = diff_full[sl]
                 excusal.add(k.path, (diff > 0) & (c_dg > 0) & (diff <= excusal.k * gain * c_dg))
             mask = excusal.masks.get(k.path)
             if mask is not None and mask.numel() == k.numel:
                 flat(judged)[sl] = ~mask
                 excused[i] = float(mask.sum())
+                if excused[i]:
+                    d_ex = diff_full[sl][mask]
+                    excused_dev[i] = float(d_ex.max())
+                    # Beyond its own envelope (one ulp of room where no run moved it): honest
+                    # candidates do that about as often as a perturbed run does against the others.
+                    room = flat(r.abs())[sl][mask] * k.unit
+                    beyond[i] = int((d_ex > excusal.k * torch.maximum(env_flat[sl][mask], room)).sum())
+                    beyond_noise[i] = max((int((flat(a_full[j])[sl][mask] > excusal.k * torch.maximum(
+                        loo[sl][mask], room)).sum()) for j, loo in enumerate(loo_full)), default=0)
         counts = lengths - torch.tensor(excused, dtype=torch.float64)
         keep = lambda x: torch.where(judged, x, 0.0)
         d = [keep(x) for x in d_full]
@@ -285,7 +325,11 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     mag = rj.abs() + blocks.per_block(rms, dtype)
     pn = [blocks.sumsq(x).sqrt() for x in d]
     noise_scl = [torch.where(rn > 0, x / rn.clamp_min(1e-300), 0.0) for x in pn]   # noise_scale's nu
-    noise = _max_rows([_ratio(x, rn) for x in pn]) if ps else zero               # max_r rel_err(p_r, r)
+    # Norm-wise errors are relative to ||r||, or, for a reference that is exactly zero (a bias at
+    # init), to the largest perturbed run's norm: relative to nothing, every perturbed draw would be
+    # infinitely far and the tolerance infinite (tracer.compare.reference_norm).
+    rn_eff = torch.where(rn > 0, rn, _max_rows(pn)) if ps else rn
+    noise = _max_rows([_ratio(x, rn_eff) for x in pn]) if ps else zero           # max_r rel_err(p_r, r)
     # max_r max_i |p_ri - r_i| = max_i env_i: one reduction for all runs (likewise below)
     max_noise = _ratio(blocks.max(env), r_absmax) if ps else zero
 
@@ -303,7 +347,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     elem_err = blocks.max(_no_nan(adc / torch.addcmul(env, mag, blocks.per_block(nu + units, dtype))))
 
     dc2 = blocks.sumsq(dc)
-    rel = _ratio(dc2.sqrt(), rn)
+    rel = _ratio(dc2.sqrt(), rn_eff)
     max_err = _ratio(blocks.max(adc), r_absmax)
     # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
     r_dc = blocks.dot(rj, dc)
@@ -331,6 +375,8 @@ def _measure_chunk(chunk: Sequence[TensorKey],
             e = env_full.view(-1)[sl]
             rv = r.view(-1)[sl]
             near_zero = rv.abs() <= excusal.k * (e + (noise[i].item() + k.unit) * rms[i].item())
+            # A gradient exactly zero in every run gives a deterministic (zero) update: never excused.
+            near_zero &= ~((rv == 0) & (e == 0))
             excusal.add(k.path, near_zero)
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = ((c.view(-1)[sl] - rv).abs(), e.clone())
@@ -343,5 +389,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
                                 nonfinite=int(rows[3][i]), ref_nonfinite=int(rows[4][i]),
                                 perturbed_nonfinite=int(rows[5][i]), noise=rows[6][i],
                                 elem_noise=rows[7][i], max_noise=rows[8][i], elem_err=rows[9][i],
-                                excused=int(rows[10][i]), moved=moved[i])
+                                excused=int(rows[10][i]), moved=moved[i], excused_dev=excused_dev[i],
+                                env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
+                                updates=updates[i], absmax=absmax[i])
             for i, k in enumerate(chunk)}

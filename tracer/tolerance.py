@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tracer.errors import ConfigError
+
 UNIT_ROUNDOFF = {
     "float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11,
     "float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3,
@@ -88,12 +90,19 @@ class TolerancePolicy:
     depth_c: float = 1.03     # Megatron-LM CI's analytic bound k * C**depth * eps, reported beside
     k_elem: float = 6.0       # head-room over the largest leave-one-out elementwise error
     floor_elem: float = 4.0   # minimum elementwise tolerance, in units of the per-element noise scale
+    # Replicas (the same logical tensor on several ranks): "exact" (the default) requires bitwise
+    # agreement, as the same kernels on the same inputs give; "tolerance" judges their distance
+    # against the norm-wise tolerance, for recipes with nondeterministic kernels.
+    replicas: str = "exact"
 
     @classmethod
     def from_config(cls, tol: Mapping[str, Any]) -> TolerancePolicy:
-        """From a recipe's `tolerance` section (keys k, floor_ulps, k_elem, floor_elem, depth_c)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: float(v) for k, v in tol.items() if k in names})
+        """From a recipe's `tolerance` section (keys k, floor_ulps, k_elem, floor_elem, depth_c, replicas)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        kw = {k: (str(v) if kinds[k] == "str" else float(v)) for k, v in tol.items() if k in kinds}
+        if kw.get("replicas", "exact") not in ("exact", "tolerance"):
+            raise ConfigError(f"tolerance.replicas={kw['replicas']!r}: use exact or tolerance")
+        return cls(**kw)
 
     def tolerance(self, noise: Sequence[float], dtype: str) -> float:
         floor = self.floor_ulps * unit_roundoff(dtype)
