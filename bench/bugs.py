@@ -41,7 +41,7 @@ def _checks(bugs: list[str], work: Path, extra: list[str]) -> dict[str, Any]:
     """Run every bug's check and each distinct trigger's clean counterpart; reports by label."""
     items, labels = [], []
     for name in bugs:
-        trig = list(CATALOG[name].trigger)
+        trig = list(CATALOG[name].recipe)   # the trigger, and the reference the bug needs
         items.append((recipe.compose([*trig, f"bug={name}", *COMMON, *extra]), work / name))
         labels.append(name)
         clean = "clean:" + " ".join(trig)
@@ -104,7 +104,7 @@ def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> d
 def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int) -> dict[str, Any]:
     bug = CATALOG[name]
     rep = res.report
-    row: dict[str, Any] = {"bug": name, "trigger": " ".join(bug.trigger), "expect": bug.expect,
+    row: dict[str, Any] = {"bug": name, "trigger": " ".join(bug.recipe), "expect": bug.expect,
                            "verdict": res.verdict, "clean_verdict": clean.verdict,
                            "detected": res.verdict == "fail" and clean.verdict == "pass"}
     if res.verdict == "error":
@@ -175,7 +175,7 @@ def main() -> int:
     except TTraceError as e:
         print(f"bench-bugs: error: {e}", file=sys.stderr)
         return 2
-    rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].trigger)], losses.get(b),
+    rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].recipe)], losses.get(b),
                  args.loss_steps) for b in bugs]
     cleans = [r for k, r in checks.items() if k.startswith("clean:")]
     windows = [r["blame_window"] for r in rows if r.get("blame_window")]

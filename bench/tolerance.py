@@ -22,6 +22,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from tracer.tolerance import (  # noqa: E402
     elem_err,
     elem_noise,
     noise_scale,
+    projection,
     unit_roundoff,
 )
 
@@ -134,6 +136,8 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
         out.append({
             "name": res.name, "kind": res.kind, "dtype": e["dtype"], "rel_err": res.rel_err,
             "noise": res.noise, "elem_err": res.elem_err, "elem_noise": res.elem_noise,
+            "scale_err": res.scale_err, "scale_tolerance": res.scale_tolerance,
+            "excused_fraction": res.excused_fraction,
             "replica_err": res.replica_err, "ttrace_ok": res.ok, "reason": res.reason,
             "tolerance": res.tolerance, "elem_tolerance": res.elem_tolerance,
             "megatron_fail": res.rel_err > megatron_bound(prec),
@@ -172,6 +176,10 @@ def calibrate(rows: list[dict]) -> dict[str, Any]:
                                                   if x["noise"] == 0]),
             "elem_err_where_no_elem_noise": ratio_summary([x["elem_err"] for x in pr
                                                            if x["elem_noise"] == 0]),
+            "scale_tol_over_err": ratio_summary([x["scale_tolerance"] / abs(x["scale_err"]) for x in pr
+                                                 if x["scale_err"]]),
+            "excused_fraction_param": ratio_summary([x["excused_fraction"] for x in pr
+                                                     if x["kind"] == "param"]),
         }
     return out
 
@@ -190,6 +198,8 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         tol = policy.tolerance([rel_err(p, r) for p in ps], e["dtype"])
         etol = policy.elem_tolerance(elem_noise(ps, r, u))
         scale = noise_scale(ps, r, u)
+        # the opt-in scale metric (tolerance.k_scale=4), beside the default method
+        stol = replace(policy, k_scale=4.0).scale_tolerance([abs(projection(p, r)) for p in ps], e["dtype"])
         # The element: in TP rank 1's shard, of median magnitude there.
         half = r.shape[shard_dim] // 2
         shard = r.narrow(shard_dim, half, r.shape[shard_dim] - half).abs()
@@ -197,8 +207,8 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         idx = list(torch.unravel_index(torch.tensor(flat), shard.shape))
         idx = tuple(int(i) + (half if d == shard_dim else 0) for d, i in enumerate(idx))
         for mode in ("scale", "element"):
-            found: dict[str, float | None] = {"ttrace": None, "ttrace_normwise": None, "megatron_fixed": None,
-                                              "assert_close": None}
+            found: dict[str, float | None] = {"ttrace": None, "ttrace_scale": None, "ttrace_normwise": None,
+                                              "megatron_fixed": None, "assert_close": None}
             missed: set[str] = set()
             for delta in DELTAS:   # large to small: the smallest delta of an unbroken run of detections
                 c = c0.clone()
@@ -208,7 +218,9 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
                     c[idx] = c[idx] * (1 + delta)
                 c = c.to(dtype).double()   # a corruption the traced dtype can hold
                 re = rel_err(c, r)
-                det = {"ttrace": re > tol or elem_err(c, r, scale) > etol, "ttrace_normwise": re > tol,
+                default = re > tol or elem_err(c, r, scale) > etol   # norm-wise and elementwise
+                det = {"ttrace": default, "ttrace_scale": default or abs(projection(c, r)) > stol,
+                       "ttrace_normwise": re > tol,
                        "megatron_fixed": re > megatron_bound(prec),
                        "assert_close": assert_close_fails(c, r, e["dtype"])}
                 for m, d in det.items():
@@ -224,8 +236,11 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=str(ROOT / "ttrace_runs" / "bench-tolerance"))   # gitignored
-    ap.add_argument("--seeds", default="1,2,3", help="clean-matrix seeds")
-    ap.add_argument("--calib-seeds", default="101,102", help="calibration seeds (held out of the matrix)")
+    # Seeds 101, 102 chose k; seeds 1-3 tuned k_elem and the excusal's "explained" rule: calibration
+    # seeds all. The clean matrix's false positives are counted on seeds never used for tuning.
+    ap.add_argument("--seeds", default="4,5", help="clean-matrix seeds, never used for tuning")
+    ap.add_argument("--calib-seeds", default="", help="calibration seeds (kept out of the matrix; "
+                                                      "101,102,1,2,3 were used)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
@@ -319,12 +334,16 @@ def print_tables(res: dict) -> None:
               f"elementwise max {e.get('max', 0):.2f} median {e.get('median', 0):.2f} | "
               f"zero-noise tensors' err (ulps) max {c['zero_noise_err_ulps'].get('max', 0):.2f}")
     print("\nsmallest detected corruption delta (- = not detected at delta <= 64):")
-    print(f"  {'prec':5s} {'mode':8s} {'tensor':42s} {'ttrace':>8s} {'normwise':>8s} {'megatron':>8s} "
-          f"{'assert_close':>12s}")
+    print(f"  {'prec':5s} {'mode':8s} {'tensor':42s} {'ttrace':>8s} {'+scale':>8s} {'normwise':>8s} "
+          f"{'megatron':>8s} {'assert_close':>12s}")
     for s in res["corruption"]:
         print(f"  {s['precision']:5s} {s['mode']:8s} {s['tensor']:42s} {_fmt(s['ttrace']):>8s} "
-              f"{_fmt(s['ttrace_normwise']):>8s} {_fmt(s['megatron_fixed']):>8s} "
-              f"{_fmt(s['assert_close']):>12s}")
+              f"{_fmt(s.get('ttrace_scale')):>8s} {_fmt(s['ttrace_normwise']):>8s} "
+              f"{_fmt(s['megatron_fixed']):>8s} {_fmt(s['assert_close']):>12s}")
+    print("\nexcused fraction of param tensors (clean matrix):")
+    for prec, c in res["clean_matrix"]["held_out_ratios"].items():
+        e = c.get("excused_fraction_param", {})
+        print(f"  {prec:5s} median {e.get('median', 0):.2f} max {e.get('max', 0):.2f}")
     print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise):")
     for prec, kinds in res["tolerance_over_clean_error"].items():
         for k, v in kinds.items():

@@ -19,15 +19,15 @@ def main(argv: list[str]) -> int:
         if bug is None:
             print(f"ttrace bugs: no bug named '{argv[0]}'; `ttrace bugs` lists them", file=sys.stderr)
             return 2
-        for field in ("name", "job", "bugs_md", "mechanism", "needs", "trigger", "expect", "localize",
-                      "source"):
+        for field in ("name", "job", "bugs_md", "mechanism", "needs", "trigger", "reference", "expect",
+                      "localize", "source"):
             print(f"{field:>10}: {getattr(bug, field)}")
-        print(f"\n  run it:  ttrace {' '.join(bug.trigger)} bug={bug.name}")
+        print(f"\n  run it:  ttrace {' '.join(bug.recipe)} bug={bug.name}")
         return 0
     table = Table(title=f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)")
     for col in ("#", "bug", "trigger recipe", "must localize at", "mechanism"):
         table.add_column(col, overflow="fold")
     for b in sorted(CATALOG.values(), key=lambda b: (b.job != "builtin", b.bugs_md, b.name)):
-        table.add_row(str(b.bugs_md or "-"), b.name, " ".join(b.trigger), b.expect, b.mechanism)
+        table.add_row(str(b.bugs_md or "-"), b.name, " ".join(b.recipe), b.expect, b.mechanism)
     Console().print(table)
     return 0

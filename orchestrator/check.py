@@ -166,10 +166,10 @@ def _share_references(plans: list[_Planned], base_dir: str) -> list[_RefSet]:
         rs = _RefSet(key, entry, f"{entry}/{attempt}", runs, "miss" if not_cached is None else "off",
                      computed_by=p.check_id, why_off=not_cached)
         for r, run in enumerate(runs):
-            # The reference runs the candidate's job on one device (the built-in catalog's switches
-            # off: issue 14 makes the reference run the candidate's code there too).
+            # The reference runs the candidate's code (its bug switches too) on one device, differing
+            # only where the recipe's reference.* says (recipe.job_spec).
             spec = recipe.job_spec(p.rec, role="perturbed" if r else "reference", perturb=r or None,
-                                   store_url=rs.url, parallel=recipe.SINGLE_DEVICE, bug="none",
+                                   store_url=rs.url, parallel=recipe.SINGLE_DEVICE,
                                    base_dir=base_dir, log=_log_dir(p.output_dir, run))
             timeout = float(p.rec["timeout_s"])
             rs.jobs.append(cluster.Job(run, spec, 1, label=f"ref {key[:8]}", timeout_s=timeout,
@@ -239,7 +239,12 @@ def _judge(p: _Planned) -> None:
         perturbed = [load_logical(rs.url, run, 1, lazy=True) for run in rs.runs[1:]]
         candidate = load_logical(p.store_url, "candidate", p.candidate.world_size, lazy=True)
         policy = TolerancePolicy.from_config(p.rec["tolerance"])
-        p.comparison = compare(reference, candidate, perturbed, policy)
+        per_step = recipe.microbatches_differ(p.rec)
+        if per_step:
+            report["reference"]["compared"] = (
+                f"param_grad and param only: the reference cuts the global batch into microbatches of "
+                f"{p.rec['reference']['micro_batch']}, the candidate into {p.rec['data']['micro_batch']}")
+        p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step)
         p.loaded = (reference, perturbed)
         timings["compare"] = time.perf_counter() - t0
         report.update(p.comparison.to_json())
@@ -276,7 +281,12 @@ def _wants_isolation(p: _Planned) -> bool:
     isolation pass, which must then flag nothing); `false`: never."""
     mode = p.rec.get("localize", True)
     assert p.comparison is not None
-    return mode == "always" or (mode is True and p.comparison.verdict == "fail")
+    wanted = mode == "always" or (mode is True and p.comparison.verdict == "fail")
+    if wanted and recipe.microbatches_differ(p.rec):
+        p.report["localization_error"] = ("no isolation pass: the reference's microbatches are not the "
+                                          "candidate's, so its module tensors cannot be fed to them")
+        return False
+    return wanted
 
 
 def _isolate(plans: list[_Planned], progress: bool = False) -> None:

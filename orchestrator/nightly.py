@@ -33,7 +33,7 @@ def trigger_of(bug: Any) -> list[str]:
     """The recipe overrides that trigger a catalog bug: Bug.trigger, else the `(trigger: k=v ...)`
     and `model=` / `precision=` requirements written in Bug.needs."""
     if bug.trigger:
-        return list(bug.trigger)
+        return list(bug.recipe)
     m = re.search(r"trigger:\s*([^)]*)", bug.needs)
     found = m.group(1).split() if m else []
     found += [f"{k}={v}" for k, v in re.findall(r"\b(model|precision)=([\w.]+)", bug.needs)]

@@ -21,7 +21,7 @@ from tracer.errors import ConfigError
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
 SINGLE_DEVICE = {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False}
 # Recipe parts that must be identical for a reference to be valid for a candidate.
-REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed")
+REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference")
 BUILTIN_ENTRYPOINT = "workloads.train:main"
 OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
@@ -97,6 +97,13 @@ def reference_key(recipe: dict[str, Any]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
+def microbatches_differ(recipe: dict[str, Any]) -> bool:
+    """Does the reference cut the global batch into other microbatches than the candidate? Then only
+    the per-step tensors (param_grad, param) have counterparts to compare."""
+    mb = (recipe.get("reference") or {}).get("micro_batch")
+    return mb is not None and int(mb) != int(recipe["data"]["micro_batch"])
+
+
 def cacheable(recipe: dict[str, Any]) -> str | None:
     """Why a stored reference may NOT be reused across ttrace runs (None: it may). ttrace cannot hash a
     user's code (a script imports whatever it likes), so a user job's reference is stored for reuse
@@ -118,9 +125,16 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
     from orchestrator.storage import options as store_options
     from tracer.job import run_name
 
+    model, data = dict(recipe["model"]), dict(recipe["data"])
+    if role in ("reference", "perturbed"):   # the candidate's code; only these differ (recipe reference.*)
+        ref = recipe.get("reference") or {}
+        if ref.get("micro_batch") is not None:
+            data["micro_batch"] = int(ref["micro_batch"])
+        if ref.get("attention") is not None:
+            model["attention"] = str(ref["attention"])
     return {
         "job": job_of(recipe, base_dir),
-        "model": recipe["model"], "precision": recipe["precision"], "data": recipe["data"],
+        "model": model, "precision": recipe["precision"], "data": data,
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
@@ -165,7 +179,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     resolve_entrypoint(job["entrypoint"])
     if check_spec is not None:
         check_spec(job_spec(recipe, role="candidate", store_url=""))
-        check_spec(job_spec(recipe, role="reference", store_url="", parallel=SINGLE_DEVICE, bug="none"))
+        check_spec(job_spec(recipe, role="reference", store_url="", parallel=SINGLE_DEVICE))
 
 
 def _validate_user_job(recipe: dict[str, Any], job: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ class Model:
     experts: int = 0                 # MoE experts per layer (0 = dense)
     top_k: int = 2
     aux_loss_coeff: float = 0.01
+    attention: str = "explicit"      # llama: explicit (its own backward) | autograd
 
 
 @dataclass
@@ -108,12 +109,23 @@ class Optim:
 
 
 @dataclass
+class Reference:
+    """How the reference and perturbed runs differ from the candidate besides its parallel layout.
+    They always run the candidate's code (its bug switches included); a bug a single device shares
+    is caught by a reference that differs in the dimension the bug lives in (workloads/bugs.py,
+    Bug.reference)."""
+    micro_batch: int | None = None   # the reference's data.micro_batch (the global batch: no accumulation)
+    attention: str | None = None     # the reference's model.attention (autograd: no hand-written backward)
+
+
+@dataclass
 class Tolerance:
     perturbations: int = 3           # R perturbed reference runs
     k: float = 4.0
     floor_ulps: float = 16.0
     k_elem: float = 6.0
     floor_elem: float = 4.0
+    k_scale: float = 0.0             # judge the projection on r (0: reported only)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
 
@@ -138,6 +150,7 @@ class Recipe:
     data: Data = field(default_factory=Data)
     optim: Optim = field(default_factory=Optim)
     tolerance: Tolerance = field(default_factory=Tolerance)
+    reference: Reference = field(default_factory=Reference)
     fault: Fault = field(default_factory=Fault)
     steps: int = 2
     seed: int = 1234

@@ -7,7 +7,7 @@ import torch
 
 from tracer.compare import cosine, max_err, reference_norm, rel_err
 from tracer.measure import BLOCK, TensorKey, measure
-from tracer.tolerance import elem_err, elem_noise, noise_scale
+from tracer.tolerance import elem_err, elem_noise, noise_scale, projection
 
 K_ELEM = 6.0
 U = 2.0**-24
@@ -63,6 +63,8 @@ def _oracle(keys, ref, cand, perts):
         norm = reference_norm(r, ps)
         nu = max((rel_err(p, r, norm) for p in ps), default=0.0)
         out[k.name] = extra | {
+            "scale_err": projection(c, r),
+            "scale_noise": max((abs(projection(p, r)) for p in ps), default=0.0),
             "rel_err": rel_err(c, r, norm), "max_err": max_err(c, r), "cosine": cosine(c, r),
             "nonfinite": int((~torch.isfinite(full_c)).sum()), "noise": nu,
             "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),

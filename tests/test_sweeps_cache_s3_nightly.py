@@ -118,10 +118,11 @@ def test_reference_key_covers_what_a_reference_depends_on(monkeypatch):
     monkeypatch.delenv("TTRACE_CODE_VERSION", raising=False)
     assert len(code_version()) == 16
     base = reference_key(compose([]))
-    for same in (["parallel=tp2"], ["bug=row_parallel_bias_per_rank"], ["cache=false"], ["timeout_s=9"]):
+    for same in (["parallel=tp2"], ["cache=false"], ["timeout_s=9"]):
         assert reference_key(compose(same)) == base, same
+    # The reference runs the candidate's code: its bug switch, and the reference's own settings, count.
     for other in (["seed=7"], ["steps=1"], ["tolerance.perturbations=2"], ["model.layers=2"],
-                  ["data.micro_batch=4"]):
+                  ["data.micro_batch=4"], ["bug=row_parallel_bias_per_rank"], ["reference.micro_batch=8"]):
         assert reference_key(compose(other)) != base, other
     monkeypatch.setenv("TTRACE_CODE_VERSION", "other-code")
     assert reference_key(compose([])) != base

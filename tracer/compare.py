@@ -46,6 +46,8 @@ class TensorResult:
     elem_err: float = 0.0        # max_i |c_i - r_i| / per-element noise scale (tracer.tolerance)
     elem_noise: float = 0.0      # largest leave-one-out elem_err of a perturbed reference
     elem_tolerance: float = math.inf   # on elem_err
+    scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
+    scale_tolerance: float = math.inf  # on |scale_err|
     excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:
     excused_fraction: float = 0.0
     excused_dev: float = 0.0     #   their largest |c - r|, against excused_bound
@@ -171,6 +173,34 @@ def _check_perturbed_moved(reference: LogicalTrace, perturbed: Sequence[LogicalT
             "perturbed run must be launched with TTRACE_ROLE=perturbed TTRACE_PERTURB=<r>")
 
 
+def _per_step(trace: LogicalTrace) -> LogicalTrace:
+    """The run's tensors of whole steps (no microbatch index): parameters and their gradients."""
+    keep = [n for n in trace.order if trace.info[n].get("microbatch") is None]
+    return LogicalTrace(trace.run, trace.world_size, trace.meta, keep, {n: trace.info[n] for n in keep},
+                        _Only(trace.tensors, set(keep)), trace.sizes)
+
+
+class _Only(Mapping[str, Assembled]):
+    """A run's tensors restricted to some names (read lazily as the run's own mapping does)."""
+
+    def __init__(self, tensors: Mapping[str, Assembled], names: set[str]):
+        self._tensors, self._names = tensors, names
+
+    def __getitem__(self, name: str) -> Assembled:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
@@ -179,8 +209,13 @@ def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
-            policy: TolerancePolicy) -> Comparison:
-    """Judge every reference tensor against the candidate; raise TraceError on mismatched runs."""
+            policy: TolerancePolicy, *, per_step_only: bool = False) -> Comparison:
+    """Judge every reference tensor against the candidate; raise TraceError on mismatched runs.
+    `per_step_only`: judge the tensors of a whole step (param_grad, param) only, when the runs cut the
+    global batch into different microbatches (a reference without gradient accumulation)."""
+    if per_step_only:
+        reference, candidate = _per_step(reference), _per_step(candidate)
+        perturbed = [_per_step(p) for p in perturbed]
     for other in (candidate, *perturbed):
         fa, fb = reference.meta.get("fingerprint"), other.meta.get("fingerprint")
         if fa and fb and fa != fb:
@@ -237,8 +272,9 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, float]] = {}
     for name in reference.order:
-        f = pooled.get(family(name), (0.0, 0.0))
-        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise))
+        f = pooled.get(family(name), (0.0, 0.0, 0.0))
+        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise),
+                                max(f[2], stats[name].scale_noise))
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
     # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
@@ -259,7 +295,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     for index, name in enumerate(reference.order):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise = pooled[family(name)]
+        noise, e_noise, s_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -271,6 +307,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]),
+            scale_err=_finite(st.scale_err), scale_tolerance=policy.scale_tolerance([s_noise], e["dtype"]),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
             excused_dev=_finite(st.excused_dev),
             excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),
@@ -285,6 +322,10 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             res.ok, res.reason = False, f"{res.nonfinite} non-finite values"
         elif res.rel_err > tol:
             res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"
+        elif abs(res.scale_err) > res.scale_tolerance:
+            res.ok, res.reason = False, (f"scale: the candidate is {1 + res.scale_err:.5g} x the reference "
+                                         f"along its direction (tolerance +-{res.scale_tolerance:.3g}; "
+                                         f"rel_err {res.rel_err:.3g})")
         elif res.elem_err > res.elem_tolerance:
             res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
                                          f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")

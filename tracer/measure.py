@@ -50,6 +50,8 @@ class TensorStats:
     elem_err: float       # max_i |c_i - r_i| / noise scale_i
     excused: int          # param elements left out of the figures above (Adam excusal)
     moved: int = 0        # bit r set: perturbed run r differs from the reference in this tensor
+    scale_err: float = 0.0     # <c - r, r> / ||r||^2 (tracer.tolerance.projection), judged elements
+    scale_noise: float = 0.0   # max_r |<p_r - r, r>| / ||r||^2
     # Excused elements are still bounded (tracer.compare judges these):
     excused_dev: float = 0.0   # largest |c_i - r_i| among the excused elements
     env_max: float = 0.0       # largest |p_r,i - r_i| of any perturbed run, any element (params)
@@ -351,6 +353,10 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     max_err = _ratio(blocks.max(adc), r_absmax)
     # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
     r_dc = blocks.dot(rj, dc)
+    # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
+    along = lambda x: torch.where(rn2 > 0, x / rn2.clamp_min(1e-300), 0.0)
+    scale_err = along(r_dc)
+    scale_noise = _max_rows([along(blocks.dot(rj, x)).abs() for x in d]) if ps else zero
     dot = rn2 + r_dc
     cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
     cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), dot / (cn * rn).clamp_min(1e-300))
@@ -384,12 +390,13 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
     moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
-                        max_noise, elem_err, lengths - counts]).tolist()
+                        max_noise, elem_err, lengths - counts, scale_err, scale_noise]).tolist()
     return {k.name: TensorStats(rel_err=rows[0][i], max_err=rows[1][i], cosine=rows[2][i],
                                 nonfinite=int(rows[3][i]), ref_nonfinite=int(rows[4][i]),
                                 perturbed_nonfinite=int(rows[5][i]), noise=rows[6][i],
                                 elem_noise=rows[7][i], max_noise=rows[8][i], elem_err=rows[9][i],
                                 excused=int(rows[10][i]), moved=moved[i], excused_dev=excused_dev[i],
                                 env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
-                                updates=updates[i], absmax=absmax[i])
+                                updates=updates[i], absmax=absmax[i], scale_err=rows[11][i],
+                                scale_noise=rows[12][i])
             for i, k in enumerate(chunk)}

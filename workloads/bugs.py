@@ -24,6 +24,14 @@ class Bug:
     expect: str = ""
     job: str = "builtin"         # the job option carrying it (job=<name>; workloads/frameworks: bugs
                                  # injected into a third-party library)
+    # The reference runs the candidate's code, bug included. A bug a single device shares needs a
+    # reference that differs where the bug lives: these overrides (recipe `reference.*`) give it.
+    reference: tuple[str, ...] = ()
+
+    @property
+    def recipe(self) -> tuple[str, ...]:
+        """The overrides of a check that must catch it: its trigger, and the reference it needs."""
+        return (*self.trigger, *self.reference)
     source: str = ""             # where the real bug was reported
 
 
@@ -58,9 +66,12 @@ CATALOG.update({b.name: b for b in (
     Bug("grad_accum_not_scaled",
         "with several microbatches per step the loss is not divided by the number of local microbatches "
         "before backward, so accumulated grads are that many times too large",
-        17, "micro-batches per DP rank > 1 (any recipe; trigger: parallel=tp2)",
-        "loss grad_output of the first microbatch (step 0): the first backward tensor",
-        trigger=('parallel=tp2',), expect='loss/grad_output',
+        17, "micro-batches per DP rank > 1 (any recipe, one device too; trigger: parallel=tp2)",
+        "every param_grad at step 0 is (local microbatches) times too large: the first one recorded, "
+        "embedding.word's, is the honest answer (a reference without accumulation has no microbatch "
+        "tensors to compare)",
+        trigger=('parallel=tp2',), expect='embedding.word/param_grad',
+        reference=("reference.micro_batch=${data.global_batch}",),   # one microbatch: no accumulation
         source='BUGS.md #17'),
     Bug("kv_head_grad_unreduced",
         "GQA with fewer KV heads than TP ranks: the replicated KV projection's grads are not all-reduced "
@@ -74,6 +85,7 @@ CATALOG.update({b.name: b for b in (
         4, "model=llama_tiny (its attention code path), any layout (trigger: parallel=tp2)",
         "layers.3.attn.q grad_output (step 0, first microbatch): the last layer's dQ, first in backward",
         trigger=('model=llama_tiny', 'parallel=tp2'), expect='layers.3.attn.q/grad_output',
+        reference=("reference.attention=autograd",),   # the same attention, autograd's backward
         source='https://github.com/NVIDIA/TransformerEngine/issues/1615'),
     Bug("tied_embedding_grad_lost_pp",
         "tied input/output embedding: the word-embedding grads of the first and last pipeline stage "
@@ -100,7 +112,7 @@ CATALOG.update({b.name: b for b in (
         "so it initializes (and is traced as) the wrong layers",
         13, "pp>1, vpp>1 (trigger: parallel=pp2_vpp2)",
         "layers.1 (its first submodule output, layers.1.ln1 / norm1) at step 0: the first misplaced chunk",
-        trigger=('model=llama_tiny', 'parallel=pp2_vpp2'), expect='layers.1.*/output',
+        trigger=('model=llama_tiny', 'parallel=pp2_vpp2'), expect='layers.1.norm1/output',
         source='BUGS.md #13'),
     Bug("cp_loss_scaling_wrong",
         "under context parallelism each CP rank's copy of the loss is backpropagated as if the CP ranks' "
@@ -125,22 +137,25 @@ CATALOG.update({b.name: b for b in (
     Bug("expert_grad_scaling_wrong",
         "MoE expert grads are divided by the expert-data-parallel size instead of the data-parallel size",
         9, "model=moe_tiny, ep>1 (trigger: parallel=ep2)",
-        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.*)",
-        trigger=('model=moe_tiny', 'parallel=ep2'), expect='layers.0.mlp.experts.*/param_grad',
+        "every expert weight param_grad at step 0 is off by the same factor: the first one recorded "
+        "(layers.0.mlp.experts.0.gate) is the honest answer",
+        trigger=('model=moe_tiny', 'parallel=ep2'), expect='layers.0.mlp.experts.0.gate/param_grad',
         source='https://github.com/NVIDIA/Megatron-LM/pull/7165'),
     Bug("expert_tp_grad_wrong_group",
         "expert-tensor-parallel grads are all-reduced over the TP group instead of the expert-data-parallel "
         "group (ETP>1, EP=1)",
         7, "model=moe_tiny, tp>1, ep=1, dp>1 (trigger: parallel=tp2_dp2)",
-        "the first expert weight param_grad at step 0 (layers.0.mlp.experts.0.gate)",
-        trigger=('model=moe_tiny', 'parallel=tp2_dp2'), expect='layers.0.mlp.experts.*/param_grad',
+        "every expert weight param_grad at step 0 is reduced over the wrong group: the first one "
+        "recorded (layers.0.mlp.experts.0.gate) is the honest answer",
+        trigger=('model=moe_tiny', 'parallel=tp2_dp2'), expect='layers.0.mlp.experts.0.gate/param_grad',
         source='https://github.com/NVIDIA/Megatron-LM/issues/1628'),
     Bug("grad_norm_wrong_group",
         "the global grad norm for clipping reduces the expert part over the wrong group (EDP, not EP), "
         "so EP ranks clip with different coefficients",
         8, "model=moe_tiny, ep>1, clipping active (trigger: parallel=ep2_tp2)",
-        "params after the step 0 update (param kind): the first parameter, whose DP replicas disagree",
-        trigger=('model=moe_tiny', 'parallel=ep2_tp2'), expect='*/param',
+        "params after the step 0 update: every parameter on the EP ranks is clipped by a wrong "
+        "coefficient, so the first one recorded (embedding.word) is the honest answer",
+        trigger=('model=moe_tiny', 'parallel=ep2_tp2'), expect='embedding.word/param',
         source='https://github.com/NVIDIA/Megatron-LM/pull/5916'),
     Bug("moe_router_grad_unreduced",
         "with TP+SP the MoE router weight lacks the sequence-parallel marking, so its grad (partial over "
@@ -162,7 +177,7 @@ CATALOG.update({b.name: b for b in (
         "never all-reduced over TP",
         0, "tp>1, sp (trigger: job=megatron_core parallel=tp2_sp)",
         "decoder.layers.0.input_layernorm weight param_grad at step 0 (its TP replicas disagree)",
-        trigger=("job=megatron_core", "parallel=tp2_sp"), expect="*layernorm/param_grad",
+        trigger=("job=megatron_core", "parallel=tp2_sp"), expect="decoder.layers.0.input_layernorm/param_grad",
         job="megatron_core"),
     Bug("megatron_sp_allgather_grad_unreduced",
         "megatron-core ColumnParallelLinear under SP: the backward of its input all-gather scatters the "
@@ -184,7 +199,7 @@ CATALOG.update({b.name: b for b in (
         "the last layer's attention.wk or attention.wv grad_output at step 0 (first backward tensor "
         "of the K/V projections)",
         job="torch_native", trigger=("job=torch_native", "parallel=tp2"),
-        expect="layers.3.attention.w[kv]/grad_output"),
+        expect="layers.3.attention.wv/grad_output"),
 )})
 # -- Hugging Face transformers
 CATALOG.update({b.name: b for b in (

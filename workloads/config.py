@@ -27,6 +27,7 @@ class ModelConfig:
     experts: int = 0                # MoE (workloads/moe.py): experts per MoE layer (0 = dense MLP)
     top_k: int = 2
     aux_loss_coeff: float = 0.01    # load-balancing auxiliary loss
+    attention: str = "explicit"     # llama core attention: explicit (its own backward) | autograd
 
     @property
     def head_dim(self) -> int:
@@ -104,7 +105,8 @@ def parse(spec: Mapping[str, Any]) -> Config:
         ffn_hidden=int(m.get("ffn_hidden", 4 * _get(m, "model", "hidden", int))),
         arch=str(m.get("arch", "gpt")), kv_heads=int(m.get("kv_heads", 0) or 0),
         tie_embeddings=bool(m.get("tie_embeddings", False)), experts=int(m.get("experts", 0) or 0),
-        top_k=int(m.get("top_k", 2)), aux_loss_coeff=float(m.get("aux_loss_coeff", 0.01)))
+        top_k=int(m.get("top_k", 2)), aux_loss_coeff=float(m.get("aux_loss_coeff", 0.01)),
+        attention=str(m.get("attention", "explicit")))
     parallel = ParallelConfig(
         name=str(p.get("name", "parallel")), world_size=_get(p, "parallel", "world_size", int),
         tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)),
@@ -180,6 +182,10 @@ def _validate_variants(cfg: Config, need: Any) -> None:
     """Model variants (llama GQA, tied embeddings) and the distributed optimizer."""
     m, p = cfg.model, cfg.parallel
     need(m.arch in MODEL_ARCHS, f"model.arch={m.arch} is unknown (known: {', '.join(MODEL_ARCHS)})")
+    need(m.attention in ("explicit", "autograd"),
+         f"model.attention={m.attention}: use explicit (the llama attention's own backward) or autograd")
+    need(m.attention == "explicit" or p.cp == 1,
+         "model.attention=autograd is the single-sequence path; context parallelism runs ring attention")
     kv = m.num_kv_heads
     need(m.kv_heads == 0 or m.arch == "llama",
          f"model.kv_heads={m.kv_heads} (grouped-query attention) needs model.arch=llama")

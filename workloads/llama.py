@@ -85,6 +85,15 @@ class _CausalAttention(torch.autograd.Function):
         return d_q, d_k, d_v, None, None
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same forward as _CausalAttention, its backward left to autograd (a reference's
+    `model.attention=autograd`: no hand-written backward to share a bug with)."""
+    s = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return torch.matmul(scores.masked_fill(causal, float("-inf")).softmax(dim=-1), v)
+
+
 class GQACoreAttention(nn.Module):
     """Local query heads attend to their (local or replicated) KV heads, with RoPE.
 
@@ -93,7 +102,7 @@ class GQACoreAttention(nn.Module):
     def __init__(self, cfg: Config, ps: ParallelState, dq_scale_bug: bool):
         super().__init__()
         m = cfg.model
-        self.head_dim, self.dq_scale_bug = m.head_dim, dq_scale_bug
+        self.head_dim, self.dq_scale_bug, self.autograd = m.head_dim, dq_scale_bug, m.attention == "autograd"
         local_q = m.heads // ps.tp_size
         local_kv = m.num_kv_heads // ps.sizes["kv"]
         q_per_kv = m.heads // m.num_kv_heads
@@ -128,6 +137,8 @@ class GQACoreAttention(nn.Module):
 
             out = ring_attention(q, k, v, self.cp_pos, self.cp_group, dq_scale_bug=self.dq_scale_bug,
                                  backward_bug=self.cp_backward_bug)
+        elif self.autograd:
+            out = causal_attention(q, k, v, 1.0 / math.sqrt(d))
         else:
             out = _CausalAttention.apply(q, k, v, 1.0 / math.sqrt(d), self.dq_scale_bug)
         return out.transpose(1, 2).reshape(b, s, -1).to(dtype)
