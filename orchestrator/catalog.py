@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from rich.console import Console
@@ -22,7 +23,7 @@ def main(argv: list[str]) -> int:
         for field in ("name", "job", "bugs_md", "mechanism", "needs", "trigger", "reference", "expect",
                       "localize", "source"):
             print(f"{field:>10}: {getattr(bug, field)}")
-        print(f"\n  run it:  ttrace {' '.join(bug.recipe)} bug={bug.name}")
+        print(f"\n  run it:  ttrace {' '.join(shlex.quote(o) for o in bug.recipe)} bug={bug.name}")
         return 0
     table = Table(title=f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)")
     for col in ("#", "bug", "trigger recipe", "must localize at", "mechanism"):

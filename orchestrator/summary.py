@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.tracking import module_metrics
@@ -41,14 +42,21 @@ def render(report: dict[str, Any], console: Console) -> None:
     rec, fd = report.get("recipe", {}), report.get("first_divergence")
     verdict = report.get("verdict", "error")
     style = {"pass": "green", "fail": "red"}.get(verdict, "yellow")
-    console.print(f"[bold]ttrace check {report.get('check_id', '')}[/]: "
-                  f"parallel={rec.get('parallel', {}).get('name')} bug={rec.get('bug', {}).get('name')} "
-                  f"precision={rec.get('precision', {}).get('name')} "
-                  f"steps={rec.get('steps')}")
+    job = (report.get("job") or {}).get("label", "builtin")
+    what = ((f"job={job} " if job != "builtin" else "")
+            + f"parallel={rec.get('parallel', {}).get('name')} bug={rec.get('bug', {}).get('name')} "
+            f"precision={rec.get('precision', {}).get('name')} steps={rec.get('steps')}")
+    console.print(f"[bold]ttrace check {report.get('check_id', '')}[/]: {escape(what)}")
     console.print(f"verdict: [{style}]{verdict.upper()}[/]")
     ref = report.get("reference")
     if ref:
-        console.print(f"reference: cache {ref['cache']} (key {ref['key']})")
+        console.print(f"reference: cache {ref.get('cache')} (key {ref.get('key')})"
+                      + (f"; compared: {ref['compared']}" if ref.get("compared") else ""), markup=False)
+    for warning in report.get("warnings", []):
+        console.print(f"warning: {warning}", markup=False)
+    if report.get("logs"):
+        runs = ", ".join(f"{run} ({len(paths)})" for run, paths in report["logs"].items())
+        console.print(f"rank logs: {runs} under logs/ beside report.json", markup=False)
     if verdict == "error":
         console.print(f"error: {report.get('error', '')}", markup=False)
         return
