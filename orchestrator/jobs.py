@@ -39,7 +39,8 @@ LOG_CAP = 4 << 20     # bytes of a rank's log returned to a driver on another no
 # (its job stopped by removing the placement group, tracer/cluster.py), then execs the program. A
 # preexec_fn would do the same but may deadlock in a process with threads, as Ray workers are.
 _PDEATHSIG = ("import ctypes, os, signal, sys\n"
-              "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+              "try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+              "except (AttributeError, OSError): pass   # not Linux: no parent-death signal\n"
               "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
               "os.execvp(sys.argv[2], sys.argv[2:])\n")
 

@@ -153,6 +153,30 @@ def test_a_job_that_fails_or_traces_nothing_is_an_error_naming_the_rank(ray_clus
     assert logs and all((tmp_path / "out" / p).exists() for p in logs)
 
 
+def test_a_hung_command_is_stopped_with_its_process(ray_cluster, tmp_path):
+    """A command job that hangs is stopped at its timeout like any job (its placement group removed,
+    its Ray worker killed), and its child process dies with the worker: nothing is left running."""
+    import time
+
+    import psutil
+
+    from orchestrator.check import run_check
+    from orchestrator.recipe import compose
+
+    (tmp_path / "hang_forever.py").write_text(
+        "import time, tracer\ntr = tracer.session()\nprint('hanging', flush=True)\ntime.sleep(3600)\n")
+    rec = compose(["job.command=python hang_forever.py", "parallel=single", "tolerance.perturbations=2",
+                   "timeout_s=15", "tracking.enabled=false", f"cluster.address={ray_cluster}"])
+    res = run_check(rec, tmp_path / "out", base_dir=str(tmp_path))
+    assert res.verdict == "error" and "timed out after 15s" in res.message, res.message
+    left = lambda: [p for p in psutil.process_iter(["cmdline"])
+                    if "hang_forever.py" in " ".join(p.info["cmdline"] or [])]
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left(), [p.info["cmdline"] for p in left()]
+
+
 ABORTS_AT_EXIT = """
 import os, torch, tracer
 tr = tracer.session()
