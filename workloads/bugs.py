@@ -177,8 +177,8 @@ CATALOG.update({b.name: b for b in (
         "never all-reduced over TP",
         0, "tp>1, sp (trigger: job=megatron_core parallel=tp2_sp)",
         "decoder.layers.0.input_layernorm weight param_grad at step 0 (its TP replicas disagree)",
-        trigger=("job=megatron_core", "parallel=tp2_sp"), expect="decoder.layers.0.input_layernorm/param_grad",
-        job="megatron_core"),
+        trigger=("job=megatron_core", "parallel=tp2_sp"),
+        expect="decoder.layers.0.input_layernorm/param_grad", job="megatron_core"),
     Bug("megatron_sp_allgather_grad_unreduced",
         "megatron-core ColumnParallelLinear under SP: the backward of its input all-gather scatters the "
         "input grad instead of reduce-scattering it (tensor_parallel/layers.py dist_reduce_scatter_func), "
