@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test lint ui clean bench-tolerance bench-bugs bench-perf bench-faults nightly chromium
+.PHONY: setup demo test test-fast lint ui clean bench-tolerance bench-bugs bench-perf bench-faults nightly chromium
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: setup
 
 test: setup chromium
 	$(BIN)/python -m pytest -q --durations=12 tests
+
+# The single-process tests only (tests/tracer, tests/workloads, tests/orchestrator): seconds.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not ray" tests
 
 # Headless Chromium renders report.html in the tests (installed from Debian packages when missing).
 chromium:

@@ -53,9 +53,9 @@ MEGATRON = dict(k=4.0, c=1.03, depth=32)   # Megatron-LM CI: k * C**L * eps at t
 # torch.testing.assert_close defaults (rtol, atol) by dtype of the traced tensor
 ASSERT_CLOSE = {"float32": (1.3e-6, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float16": (1e-3, 1e-5),
                 "float64": (1e-7, 1e-7)}
-# Relative corruption sizes, large to small: up to 64x for a single element (a bit-flip-like
-# corruption that a norm-wise error still averages away in BF16), down to 2^-30.
-DELTAS = [2.0**j for j in range(6, 0, -1)] + [2.0**-j for j in range(0, 31)]
+# Relative corruption sizes, large to small, in steps of sqrt(2): up to 64x for a single element (a
+# bit-flip-like corruption that a norm-wise error still averages away in BF16), down to 2^-30.
+DELTAS = [2.0 ** (j / 2) for j in range(12, -61, -1)]
 # Corruption targets: (canonical name, shard dim of the tp2 layout) -- one grad, one activation
 # grad, one activation; the single corrupted element lies in TP rank 1's shard.
 TARGETS = (("0/-/layers.1.mlp.fc1.weight/param_grad", 0), ("0/1/layers.1.mlp.fc1/grad_output", 2),
@@ -91,14 +91,19 @@ def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...
                 runs = [("reference", dict(parallel=single, role="reference"), 1)]
                 runs += [(f"perturbed-{i}", dict(parallel=single, role="perturbed", perturb=i + 1), 1)
                          for i in range(R)]
+                if prec != "fp32":   # the previous method (one ulp of every weight), beside it
+                    wrec = recipe.compose([f"precision={prec}", f"seed={seed}", "tracking.enabled=false",
+                                           "tolerance.perturbation=weights"])
+                    runs += [(f"perturbed-weights-{i}", dict(parallel=single, role="perturbed",
+                                                             perturb=i + 1, _rec=wrec), 1) for i in range(R)]
                 for par in parallels(seed):
                     prec_rec = recipe.compose([f"precision={prec}", f"seed={seed}", f"parallel={par}"])
                     runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"], role="candidate"),
                                  int(prec_rec["parallel"]["world_size"])))
                 for run, kw, world in runs:
                     if not _complete(url, run, world):
-                        jobs.append(cluster.Job(f"{prec}-s{seed}.{run}",
-                                                recipe.job_spec(rec, run=run, store_url=url, **kw), world))
+                        spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
+                        jobs.append(cluster.Job(f"{prec}-s{seed}.{run}", spec, world))
         if not jobs:
             break
         cluster.ensure_ray(recipe.compose([])["cluster"])
@@ -112,11 +117,11 @@ def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...
     return time.perf_counter() - t0
 
 
-def load_combo(store: Path, prec: str, seed: int, R: int,
-               parallels: tuple[str, ...] = PARALLELS) -> tuple[Any, list[Any], dict[str, Any]]:
+def load_combo(store: Path, prec: str, seed: int, R: int, parallels: tuple[str, ...] = PARALLELS,
+               perturbed: str = "perturbed") -> tuple[Any, list[Any], dict[str, Any]]:
     url = str(store / f"{prec}-s{seed}")
     ref = load_logical(url, "reference", 1)
-    pert = [load_logical(url, f"perturbed-{i}", 1) for i in range(R)]
+    pert = [load_logical(url, f"{perturbed}-{i}", 1) for i in range(R)]
     cands = {}
     for par in parallels:
         ws = int(recipe.compose([f"parallel={par}"])["parallel"]["world_size"])
@@ -185,62 +190,82 @@ def calibrate(rows: list[dict]) -> dict[str, Any]:
 
 
 # -- 4. corruption study ------------------------------------------------------------------------------
-def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: TolerancePolicy) -> list[dict]:
-    out = []
+LAYER = "layers.1."   # the "one layer's grads" probe: every param_grad of this layer at step 0
+
+
+def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: str, kind: str,
+             policy: TolerancePolicy, megatron: float) -> dict[str, bool]:
+    """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, elementwise),
+    its norm-wise metric alone, Megatron's fixed bound, assert_close."""
+    u = unit_roundoff(dtype)
+    noise = [rel_err(p, r) for p in ps]
+    re = rel_err(c, r)
+    verdict = (re > policy.tolerance(noise, dtype)
+               or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind)
+               or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u)))
+    return {"ttrace": verdict, "ttrace_normwise": re > policy.tolerance(noise, dtype),
+            "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
+
+
+def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: TolerancePolicy,
+               method: str = "default") -> list[dict]:
+    """Smallest delta detected, per probe: one layer's grads (all of them) x (1 + delta), one
+    activation or activation grad x (1 + delta), one element of one TP shard x (1 + delta)."""
+    probes: list[tuple[str, list[str], tuple | None]] = []
+    grads = [n for n in ref.order if ref.info[n]["kind"] == "param_grad" and ref.info[n]["step"] == 0
+             and n.split("/")[2].startswith(LAYER)]
+    probes.append(("layer_grads", grads, None))
     for name, shard_dim in TARGETS:
         if name not in ref.tensors:
             continue
-        e = ref.info[name]
-        dtype = getattr(torch, e["dtype"])
-        r, c0 = ref.tensors[name].tensor, cand.tensors[name].tensor
-        ps = [p.tensors[name].tensor for p in pert]
-        u = unit_roundoff(e["dtype"])
-        tol = policy.tolerance([rel_err(p, r) for p in ps], e["dtype"])
-        etol = policy.elem_tolerance(elem_noise(ps, r, u))
-        scale = noise_scale(ps, r, u)
-        # the opt-in scale metric (tolerance.k_scale=4), beside the default method
-        stol = replace(policy, k_scale=4.0).scale_tolerance([abs(projection(p, r)) for p in ps], e["dtype"])
+        probes.append(("scale", [name], None))
         # The element: in TP rank 1's shard, of median magnitude there.
+        r = ref.tensors[name].tensor
         half = r.shape[shard_dim] // 2
         shard = r.narrow(shard_dim, half, r.shape[shard_dim] - half).abs()
         flat = (shard - shard.flatten().median()).abs().flatten().argmin().item()
         idx = list(torch.unravel_index(torch.tensor(flat), shard.shape))
-        idx = tuple(int(i) + (half if d == shard_dim else 0) for d, i in enumerate(idx))
-        for mode in ("scale", "element"):
-            found: dict[str, float | None] = {"ttrace": None, "ttrace_scale": None, "ttrace_normwise": None,
-                                              "megatron_fixed": None, "assert_close": None}
-            missed: set[str] = set()
-            for delta in DELTAS:   # large to small: the smallest delta of an unbroken run of detections
-                c = c0.clone()
-                if mode == "scale":
+        probes.append(("element", [name], tuple(int(i) + (half if d == shard_dim else 0)
+                                                for d, i in enumerate(idx))))
+    out = []
+    for mode, names, idx in probes:
+        found: dict[str, float | None] = {"ttrace": None, "ttrace_normwise": None,
+                                          "megatron_fixed": None, "assert_close": None}
+        missed: set[str] = set()
+        for delta in DELTAS:   # large to small: the smallest delta of an unbroken run of detections
+            det: dict[str, bool] = {}
+            for name in names:
+                e = ref.info[name]
+                r, c = ref.tensors[name].tensor, cand.tensors[name].tensor.clone()
+                if idx is None:
                     c = c * (1 + delta)
                 else:
                     c[idx] = c[idx] * (1 + delta)
-                c = c.to(dtype).double()   # a corruption the traced dtype can hold
-                re = rel_err(c, r)
-                default = re > tol or elem_err(c, r, scale) > etol   # norm-wise and elementwise
-                det = {"ttrace": default, "ttrace_scale": default or abs(projection(c, r)) > stol,
-                       "ttrace_normwise": re > tol,
-                       "megatron_fixed": re > megatron_bound(prec),
-                       "assert_close": assert_close_fails(c, r, e["dtype"])}
-                for m, d in det.items():
-                    if not d:
-                        missed.add(m)
-                    elif m not in missed:
-                        found[m] = delta
-            out.append({"precision": prec, "tensor": name, "mode": mode,
-                        "element": list(idx) if mode == "element" else None, **found})
+                c = c.to(getattr(torch, e["dtype"])).double()   # a corruption the traced dtype can hold
+                one = _detects(c, r, [p.tensors[name].tensor for p in pert], e["dtype"], e["kind"], policy,
+                               megatron_bound(prec))
+                det = {m: det.get(m, False) or d for m, d in one.items()}
+            for m, d in det.items():
+                if not d:
+                    missed.add(m)
+                elif m not in missed:
+                    found[m] = delta
+        out.append({"precision": prec, "method": method, "mode": mode,
+                    "tensor": f"{LAYER}* param_grad (step 0)" if mode == "layer_grads" else names[0],
+                    "element": list(idx) if idx else None, **found})
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", default=str(ROOT / "ttrace_runs" / "bench-tolerance"))   # gitignored
-    # Seeds 101, 102 chose k; seeds 1-3 tuned k_elem and the excusal's "explained" rule: calibration
-    # seeds all. The clean matrix's false positives are counted on seeds never used for tuning.
-    ap.add_argument("--seeds", default="4,5", help="clean-matrix seeds, never used for tuning")
+    # Seeds 101, 102 chose k; seeds 1-3 tuned k_elem and the excusal's "explained" rule; seeds 4, 5
+    # chose k_scale and the GEMM rounding draws; seed 7 showed the false positive that made param
+    # norms whole-tensor: calibration seeds all. The clean matrix's false
+    # positives are counted on seeds never used for tuning.
+    ap.add_argument("--seeds", default="8,9", help="clean-matrix seeds, never used for tuning")
     ap.add_argument("--calib-seeds", default="", help="calibration seeds (kept out of the matrix; "
-                                                      "101,102,1,2,3 were used)")
+                                                      "101,102,1-7 were used)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
@@ -283,6 +308,10 @@ def main() -> int:
                         "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
             if seed == seeds[0]:
                 studies += corruption(ref, pert, cands["tp2"], prec, policy)
+                if prec != "fp32":   # the previous method: weight perturbation, scale not judged
+                    _, wpert, _ = load_combo(store, prec, seed, R, (), perturbed="perturbed-weights")
+                    studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0),
+                                          method="weights, no scale (before)")
 
     ratio = {}
     for prec in precs:
@@ -292,7 +321,10 @@ def main() -> int:
             "norm_tol_over_err": ratio_summary([x["tolerance"] / x["rel_err"] for x in pr
                                                 if x["kind"] == k and x["rel_err"] > 0]),
             "elem_tol_over_err": ratio_summary([x["elem_tolerance"] / x["elem_err"] for x in pr
-                                                if x["kind"] == k and x["elem_err"] > 0])} for k in kinds}
+                                                if x["kind"] == k and x["elem_err"] > 0]),
+            "scale_tol_over_err": ratio_summary([x["scale_tolerance"] / abs(x["scale_err"]) for x in pr
+                                                 if x["kind"] == k and x["scale_err"]
+                                                 and math.isfinite(x["scale_tolerance"])])} for k in kinds}
     result = {
         "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
                    "floor_elem": policy.floor_elem, "R": R},
@@ -334,23 +366,24 @@ def print_tables(res: dict) -> None:
               f"elementwise max {e.get('max', 0):.2f} median {e.get('median', 0):.2f} | "
               f"zero-noise tensors' err (ulps) max {c['zero_noise_err_ulps'].get('max', 0):.2f}")
     print("\nsmallest detected corruption delta (- = not detected at delta <= 64):")
-    print(f"  {'prec':5s} {'mode':8s} {'tensor':42s} {'ttrace':>8s} {'+scale':>8s} {'normwise':>8s} "
+    print(f"  {'prec':5s} {'method':26s} {'probe':11s} {'tensor':40s} {'ttrace':>8s} {'normwise':>8s} "
           f"{'megatron':>8s} {'assert_close':>12s}")
     for s in res["corruption"]:
-        print(f"  {s['precision']:5s} {s['mode']:8s} {s['tensor']:42s} {_fmt(s['ttrace']):>8s} "
-              f"{_fmt(s.get('ttrace_scale')):>8s} {_fmt(s['ttrace_normwise']):>8s} "
+        print(f"  {s['precision']:5s} {s['method']:26s} {s['mode']:11s} {s['tensor']:40s} "
+              f"{_fmt(s['ttrace']):>8s} {_fmt(s['ttrace_normwise']):>8s} "
               f"{_fmt(s['megatron_fixed']):>8s} {_fmt(s['assert_close']):>12s}")
     print("\nexcused fraction of param tensors (clean matrix):")
     for prec, c in res["clean_matrix"]["held_out_ratios"].items():
         e = c.get("excused_fraction_param", {})
         print(f"  {prec:5s} median {e.get('median', 0):.2f} max {e.get('max', 0):.2f}")
-    print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise):")
+    print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise; scale):")
     for prec, kinds in res["tolerance_over_clean_error"].items():
         for k, v in kinds.items():
-            n, e = v["norm_tol_over_err"], v["elem_tol_over_err"]
+            n, e, c = v["norm_tol_over_err"], v["elem_tol_over_err"], v["scale_tol_over_err"]
             print(f"  {prec:5s} {k:12s} norm min {n.get('min', math.nan):8.1f} "
                   f"median {n.get('median', math.nan):8.1f}"
-                  f" | elem min {e.get('min', math.nan):8.1f} median {e.get('median', math.nan):8.1f}")
+                  f" | elem min {e.get('min', math.nan):8.1f} median {e.get('median', math.nan):8.1f}"
+                  f" | scale min {c.get('min', math.nan):8.1f} median {c.get('median', math.nan):8.1f}")
 
 
 if __name__ == "__main__":

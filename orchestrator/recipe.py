@@ -92,8 +92,10 @@ def reference_key(recipe: dict[str, Any]) -> str:
     job: `job.version`, see `cacheable`)."""
     job = job_of(recipe)
     code = code_version() if job["own"] else f"{code_version()}/{job['version']}"
-    key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(recipe["tolerance"]["perturbations"]),
-                      "trace": recipe.get("trace"), "code": code}, sort_keys=True, default=str)
+    tol = recipe["tolerance"]
+    key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(tol["perturbations"]),
+                      "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
+                      "code": code}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
@@ -140,6 +142,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
                   "perturb": perturb, "reference": reference, "enabled": True,
+                  "perturbation": recipe["tolerance"].get("perturbation", "auto"),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
@@ -170,6 +173,12 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")
     job = job_of(recipe, base_dir or os.getcwd())
+    if tol.get("perturbation", "auto") not in ("auto", "weights", "gemm"):
+        raise ConfigError(f"tolerance.perturbation={tol['perturbation']}: use auto, weights or gemm")
+    if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
+        raise ConfigError(f"tolerance.perturbation=gemm draws the rounding of GEMM results inside ttrace's "
+                          f"built-in trainer only; job {job['label']!r} is perturbed by its weights "
+                          "(tolerance.perturbation=weights or auto)")
     if not job["own"]:
         _validate_user_job(recipe, job)
         return

@@ -121,11 +121,12 @@ class Reference:
 @dataclass
 class Tolerance:
     perturbations: int = 3           # R perturbed reference runs
+    perturbation: str = "auto"       # what they move: auto | weights | gemm (workloads/precision.py)
     k: float = 4.0
     floor_ulps: float = 16.0
     k_elem: float = 6.0
     floor_elem: float = 4.0
-    k_scale: float = 0.0             # judge the projection on r (0: reported only)
+    k_scale: float = 1.5             # scale error (projection on r): tol = k_scale x norm-wise noise
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
 

@@ -1,8 +1,22 @@
-"""One local Ray cluster for the whole test session (starting Ray costs ~15 s on 2 cores)."""
+"""One local Ray cluster for the whole test session (starting Ray costs ~15 s on 2 cores).
+
+Layout: tests/tracer, tests/workloads, tests/orchestrator hold the single-process tests of each
+package; tests/ray the multi-rank ones (Ray checks, or rank processes of their own). Every test in
+tests/ray, and any test that uses the `ray_cluster` fixture, is marked `ray`:
+`pytest -m "not ray"` runs the fast ones."""
 
 import os
+from pathlib import Path
 
 import pytest
+
+RAY_DIR = Path(__file__).parent / "ray"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if RAY_DIR in Path(item.path).parents or "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")

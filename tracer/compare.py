@@ -272,9 +272,8 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, float]] = {}
     for name in reference.order:
-        f = pooled.get(family(name), (0.0, 0.0, 0.0))
-        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise),
-                                max(f[2], stats[name].scale_noise))
+        f = pooled.get(family(name), (0.0, 0.0))
+        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise))
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
     # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
@@ -295,7 +294,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     for index, name in enumerate(reference.order):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise, s_noise = pooled[family(name)]
+        noise, e_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -307,7 +306,8 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]),
-            scale_err=_finite(st.scale_err), scale_tolerance=policy.scale_tolerance([s_noise], e["dtype"]),
+            scale_err=_finite(st.scale_err),
+            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"]),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
             excused_dev=_finite(st.excused_dev),
             excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),

@@ -327,10 +327,14 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     mag = rj.abs() + blocks.per_block(rms, dtype)
     pn = [blocks.sumsq(x).sqrt() for x in d]
     noise_scl = [torch.where(rn > 0, x / rn.clamp_min(1e-300), 0.0) for x in pn]   # noise_scale's nu
-    # Norm-wise errors are relative to ||r||, or, for a reference that is exactly zero (a bias at
-    # init), to the largest perturbed run's norm: relative to nothing, every perturbed draw would be
-    # infinitely far and the tolerance infinite (tracer.compare.reference_norm).
-    rn_eff = torch.where(rn > 0, rn, _max_rows(pn)) if ps else rn
+    # Norm-wise errors are relative to ||r|| of the whole tensor (a param's excused elements add no
+    # error, but its scale stays the tensor's: relative to the few judged elements of a mostly
+    # excused bias, one element's honest move read as 7-16% against a 16-ulp floor), or, for a
+    # reference that is exactly zero (a bias at init), to the largest perturbed run's norm:
+    # relative to nothing, every perturbed draw would be infinitely far and the tolerance infinite
+    # (tracer.compare.reference_norm).
+    rn_all = rn if judged is None else blocks.sumsq(r).sqrt()
+    rn_eff = torch.where(rn_all > 0, rn_all, _max_rows(pn)) if ps else rn_all
     noise = _max_rows([_ratio(x, rn_eff) for x in pn]) if ps else zero           # max_r rel_err(p_r, r)
     # max_r max_i |p_ri - r_i| = max_i env_i: one reduction for all runs (likewise below)
     max_noise = _ratio(blocks.max(env), r_absmax) if ps else zero

@@ -17,12 +17,20 @@ fp8   bf16 plus FP8 GEMMs in the transformer layers (TE Linear: qkv, proj, fc1, 
       falls back to current scaling). The LM head stays BF16 (Megatron keeps the output layer
       out of FP8). Bug switch `fp8_amax_unreduced` skips the TP reduction.
 
-Perturbed references (tolerance estimation, docs/tolerance.md): fp32 and bf16 move every initial
-weight one ulp of its dtype. fp8 instead moves every element of every GEMM result (forward output and
-input grad) one BF16 ulp: "the BF16 eps for accumulation", the rounding an honest layout changes
-(partial sums, reduction order), with the FP8 quantization step applied to the perturbed values
-where it applies. A one-ulp BF16 weight change would re-quantize ~5% of every FP8 weight tensor from
-layer 0 on, a disturbance no honest layout makes (weights are bit-identical at step 0).
+Perturbed references (tolerance estimation, docs/tolerance.md), `tolerance.perturbation`:
+weights  every initial weight moved one ulp of its dtype (the default for fp32, and the only kind a
+         user job gets: the session perturbs what it attaches).
+gemm     the default for bf16 and fp8: every GEMM result (forward output and input grad) is drawn
+         again at its final rounding. An honest layout changes the order in which FP32 partial sums
+         are added before the one rounding to BF16 (or rounds partial sums before a reduction); a
+         value re-rounded from a randomly moved accumulator lands one ulp away with probability
+         ~1/4, so that is the bf16 draw: one BF16 ulp, random sign, on a random quarter of the
+         elements (`ROUNDING_FLIP`). A one-ulp move of every BF16 weight disturbs far more (2^-8 on
+         every weight of every layer: 2.5x the honest TP error on the weight grads). fp8 moves every
+         GEMM result one BF16 ulp (flip 1), the FP8 quantization step then applied where it applies:
+         with 1/4 a clean fp8 tp2 check failed at a bias whose honest grad error was 5x the
+         perturbed runs' (docs/tolerance.md). A one-ulp weight change would re-quantize ~5% of every
+         FP8 weight tensor from layer 0 on, which no honest layout does.
 """
 
 from __future__ import annotations
@@ -41,6 +49,10 @@ from tracer.errors import ConfigError
 from tracer.generator import step_ulp
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+PERTURBATIONS = ("weights", "gemm")
+# P(a GEMM result moves one ulp) in a gemm draw; bf16: P(a value re-rounded from a moved FP32
+# accumulator lands one ulp away).
+ROUNDING_FLIP = {"fp32": 0.25, "bf16": 0.25, "fp8": 1.0}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 Group = dist.ProcessGroup | None
@@ -61,10 +73,13 @@ class Precision:
     def mixed(self) -> bool:
         return self.name != "fp32"
 
-    @property
-    def perturbs_weights(self) -> bool:
-        """Perturbed references move the initial weights (else: the GEMM results, see above)."""
-        return self.name != "fp8"
+    def perturbation(self, setting: str = "auto") -> str:
+        """What this recipe's perturbed references move: "weights" or "gemm" (module doc)."""
+        if setting == "auto":
+            return "weights" if self.name == "fp32" else "gemm"
+        if setting not in PERTURBATIONS:
+            raise ConfigError(f"tolerance.perturbation={setting}: use auto, weights or gemm")
+        return setting
 
 
 def from_spec(spec: Mapping[str, Any]) -> Precision:
@@ -169,15 +184,19 @@ def fp8_linear(scaling: FP8Scaling) -> Callable[..., torch.Tensor]:
     return linear
 
 
-# -- perturbation of GEMM results (fp8 perturbed references) ----------------------------------------
-class UlpNoise:
-    """Moves every element one ulp of its dtype up or down, signs from a seeded generator."""
+# -- rounding draws on GEMM results (perturbation=gemm) ---------------------------------------------
+class RoundingDraw:
+    """Moves each element one ulp of its dtype with probability `flip`, up or down (seeded)."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, flip: float):
         self.gen = torch.Generator().manual_seed(seed)
+        self.flip = flip
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return step_ulp(t, torch.randint(0, 2, t.shape, generator=self.gen).bool())
+        moved = step_ulp(t, torch.randint(0, 2, t.shape, generator=self.gen).bool())
+        if self.flip >= 1:   # every element (no second draw: the fp8 draws of before 2026-11-24)
+            return moved
+        return torch.where(torch.rand(t.shape, generator=self.gen) < self.flip, moved, t)
 
 
 class _PerturbGrad(torch.autograd.Function):
@@ -191,8 +210,8 @@ class _PerturbGrad(torch.autograd.Function):
         return ctx.noise(g), None
 
 
-def perturbed_linear(linear: Callable[..., torch.Tensor], noise: UlpNoise) -> Callable[..., torch.Tensor]:
-    """`linear` whose output (forward) and input grad (backward) are each moved one ulp."""
+def perturbed_linear(linear: Callable[..., torch.Tensor], noise: RoundingDraw) -> Callable[..., torch.Tensor]:
+    """`linear` whose output (forward) and input grad (backward) are each drawn again (RoundingDraw)."""
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         y = linear(_PerturbGrad.apply(x, noise), w, b)
         return y + (noise(y.detach()) - y.detach())
@@ -206,11 +225,12 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
 
 
 def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Group, *,
-          amax_unreduced: bool = False, perturb_seed: int | None = None) -> None:
-    """Give every linear its GEMM and every parameter an FP32 main grad (no-op for fp32).
+          amax_unreduced: bool = False, gemm_draws: int | None = None) -> None:
+    """Give every linear its GEMM and every parameter an FP32 main grad (no-op for fp32 unless
+    `gemm_draws`, the perturbed run's seed for rounding draws on GEMM results).
 
     Call after the weights are initialized in `recipe.param_dtype`."""
-    if not recipe.mixed:
+    if not recipe.mixed and gemm_draws is None:
         return
     for name, m in model.named_modules():
         if not hasattr(m, "linear"):
@@ -218,10 +238,13 @@ def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Grou
         if recipe.name == "fp8" and name.startswith("layers.") and name.endswith(recipe.fp8_modules):
             m.fp8_scaling = FP8Scaling(recipe, amax_group, dp_group, reduce_tp=not amax_unreduced)
             m.linear = fp8_linear(m.fp8_scaling)
-        else:
+        elif recipe.mixed:
             m.linear = bf16_linear
-        if perturb_seed is not None and not recipe.perturbs_weights:
-            m.linear = perturbed_linear(m.linear, UlpNoise(perturb_seed * 1_000_003 + len(name)))
+        if gemm_draws is not None:   # a perturbed reference with perturbation=gemm: its run's seed
+            m.linear = perturbed_linear(m.linear, RoundingDraw(gemm_draws * 1_000_003 + len(name),
+                                                             ROUNDING_FLIP[recipe.name]))
+    if not recipe.mixed:
+        return
     for p in model.parameters():
         p.main_grad = torch.zeros_like(p, dtype=torch.float32)
         p.register_post_accumulate_grad_hook(_accumulate_main_grad)

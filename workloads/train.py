@@ -93,11 +93,12 @@ def train(job: harness.RankJob) -> list[float]:
     tr.init_weights(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes)
     mark_tensor_parallel(model, plan, ps)
     model.to(device)
-    # Perturbed references: one ulp of every weight (tr.attach), or for fp8 of every GEMM result.
-    gemm_noise = tr.perturb if tr.role == "perturbed" and not recipe.perturbs_weights else None
+    # Perturbed references: one ulp of every weight (tr.attach), or rounding draws on every GEMM result.
+    moves = recipe.perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
     precision.apply(model, recipe, ps.tp_cp_group, ps.dp_group,
-                    amax_unreduced=bugs.active(spec, "fp8_amax_unreduced"), perturb_seed=gemm_noise)
-    tr.attach(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes, perturb=recipe.perturbs_weights,
+                    amax_unreduced=bugs.active(spec, "fp8_amax_unreduced"),
+                    gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None)
+    tr.attach(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes, perturb=moves == "weights",
               meta={"pp_stage": ps.pp_rank})
     tr.set_grad_scale(cfg.micro_batches_local / cfg.micro_batches_global)
     optimizer = precision.optimizer(model, recipe, lambda params: torch.optim.Adam(

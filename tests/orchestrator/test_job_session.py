@@ -151,6 +151,8 @@ def test_an_unknown_recipe_key_exits_2_naming_it(tmp_path):
     (["job=torch_native", "job.command=python train.py"], "both set"),
     (["job.command=python no_such_script.py"], "no_such_script.py not found"),
     (["job.entrypoint=no_such_module:main"], "cannot be imported"),
+    (["job=torch_native", "tolerance.perturbation=gemm"], "built-in trainer only"),
+    (["tolerance.perturbation=gemms"], "use auto, weights or gemm"),
 ])
 def test_recipes_a_check_would_misread_are_refused(tmp_path, overrides, needle):
     from orchestrator.recipe import compose, validate

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator.cli import report_paths
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TTRACE = str(Path(sys.executable).parent / "ttrace")
 
 

@@ -16,7 +16,7 @@ import pytest
 from orchestrator.check import run_check, run_checks
 from orchestrator.recipe import code_version, compose, reference_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(workdir, ray_cluster, *args, timeout=900):

@@ -59,8 +59,10 @@ def _oracle(keys, ref, cand, perts):
                              for j, p in enumerate(ps)] if len(ps) > 1 else [0]
                     extra["beyond_noise"] = max(noise)
             keep = ~m
+            norm = reference_norm(r, ps)   # the whole tensor's: excused elements add no error
             r, c, ps = r[keep], c[keep], [p[keep] for p in ps]
-        norm = reference_norm(r, ps)
+        else:
+            norm = reference_norm(r, ps)
         nu = max((rel_err(p, r, norm) for p in ps), default=0.0)
         out[k.name] = extra | {
             "scale_err": projection(c, r),

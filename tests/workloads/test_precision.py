@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from tracer.errors import ConfigError
 from workloads import precision
 from workloads.precision import E4M3, E5M2, FP8Scaling, Precision, bf16_linear, dequantize, quantize
 
@@ -95,16 +96,26 @@ def test_master_weights_take_fp32_main_grads_and_round_back_to_bf16():
     assert model.weight.main_grad.abs().sum() == 0
 
 
-def test_fp8_perturbed_reference_moves_gemm_results_not_weights():
-    assert Precision("fp32").perturbs_weights and Precision("bf16").perturbs_weights
-    assert not Precision("fp8").perturbs_weights
-    noise = precision.UlpNoise(1)
-    lin = precision.perturbed_linear(bf16_linear, noise)
-    x = torch.randn(4, 64, generator=G(10)).bfloat16().requires_grad_()
-    w = torch.randn(32, 64, generator=G(11)).bfloat16()
+def test_mixed_precision_perturbed_references_draw_gemm_roundings_not_weights():
+    """bf16 and fp8 perturbed references re-draw the final rounding of every GEMM result (forward
+    output and input grad): one BF16 ulp, random sign, on ~1/4 of the elements in bf16 (all of
+    them in fp8), nothing else."""
+    assert Precision("fp32").perturbation() == "weights"
+    assert Precision("bf16").perturbation() == Precision("fp8").perturbation() == "gemm"
+    assert Precision("bf16").perturbation("weights") == "weights"
+    with pytest.raises(ConfigError, match="auto, weights or gemm"):
+        Precision("bf16").perturbation("gemms")
+    lin = precision.perturbed_linear(bf16_linear, precision.RoundingDraw(1, precision.ROUNDING_FLIP["bf16"]))
+    x = torch.randn(16, 64, generator=G(10)).bfloat16().requires_grad_()
+    w = torch.randn(256, 64, generator=G(11)).bfloat16()
     y, y0 = lin(x, w), bf16_linear(x, w)
     nxt = lambda t, d: torch.nextafter(t, torch.tensor(d, dtype=t.dtype))
-    assert ((y == nxt(y0, float("inf"))) | (y == nxt(y0, -float("inf")))).all()   # one ulp each
+    one_ulp = lambda a, b: (a == nxt(b, float("inf"))) | (a == nxt(b, -float("inf")))
+    assert (one_ulp(y, y0) | (y == y0)).all()
+    assert 0.2 < one_ulp(y, y0).float().mean().item() < 0.3          # ROUNDING_FLIP of them
     y.float().sum().backward()
-    g0 = (torch.ones(4, 32) @ w.float()).bfloat16()
-    assert ((x.grad == nxt(g0, float("inf"))) | (x.grad == nxt(g0, -float("inf")))).all()
+    g0 = (torch.ones(16, 256) @ w.float()).bfloat16()
+    assert (one_ulp(x.grad, g0) | (x.grad == g0)).all()
+    assert 0.2 < one_ulp(x.grad, g0).float().mean().item() < 0.3
+    every = precision.RoundingDraw(1, precision.ROUNDING_FLIP["fp8"])
+    assert one_ulp(every(y0), y0).all()
