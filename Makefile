@@ -55,7 +55,7 @@ bench-faults: setup
 	$(BIN)/python bench/faults.py $(BENCH_ARGS)
 
 lint: setup
-	$(BIN)/ruff check tracer orchestrator workloads tests examples bench
+	$(BIN)/ruff check tracer orchestrator workloads tests examples bench hydra_plugins
 
 ui: setup
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1 --port 5000

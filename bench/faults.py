@@ -30,8 +30,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.cli import report_paths  # noqa: E402
 from orchestrator.cluster import free_port, rank_worker_pids  # noqa: E402
+from orchestrator.console import report_paths  # noqa: E402
 
 OUT = ROOT / "bench" / "faults.json"
 TTRACE = str(ROOT / ".venv" / "bin" / "ttrace")

@@ -51,7 +51,8 @@ def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float]
     """The job's session (tracing on or off), timing each `step` block."""
     import contextlib
 
-    from tracer.job import JobConfig, Session
+    from tracer.job import Session
+    from tracer.job_config import JobConfig
 
     class TimedSession(Session):
         def step(self, step: int) -> Any:
@@ -90,7 +91,8 @@ def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
     """Child process: one rank of a multi-rank job (the built-in job's entrypoint, as launched)."""
     import os
 
-    from tracer.job import JobConfig, Session
+    from tracer.job import Session
+    from tracer.job_config import JobConfig
     from workloads import train
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(spec["parallel"]["world_size"]), "LOCAL_RANK": str(rank),

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe  # noqa: E402
-from tracer.compare import compare, rel_err  # noqa: E402
+from tracer.compare import compare  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
@@ -41,6 +41,7 @@ from tracer.tolerance import (  # noqa: E402
     elem_noise,
     noise_scale,
     projection,
+    rel_err,
     unit_roundoff,
 )
 

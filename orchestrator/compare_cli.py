@@ -19,9 +19,17 @@ import argparse
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
+from orchestrator import storage
+from orchestrator.outcome import CheckResult, PlannedCheck, finish
+from tracer.compare import compare
 from tracer.errors import TTraceError
+from tracer.isolation import name_culprit
+from tracer.logical import load_logical
+from tracer.tolerance import TolerancePolicy
 
 USAGE = "ttrace compare STORE [options] [recipe overrides, e.g. tolerance.k=6 tracking.enabled=false]"
 
@@ -45,8 +53,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from orchestrator.check import compare_stored
-    from orchestrator.cli import REPORT_LINE, summary
+    from orchestrator.console import REPORT_LINE, summary
     from orchestrator.recipe import compose, resolve_url
 
     args = parser().parse_intermixed_args(argv)
@@ -70,3 +77,65 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: str, *,
+                   reference: str = "reference", candidate: str = "candidate",
+                   perturbed: list[str] | None = None, isolated: str | None = None) -> CheckResult:
+    """The comparison stage alone, for runs traced anywhere (e.g. torchrun on a Slurm cluster that never
+    saw Ray) into one store: world sizes and layouts from the manifests, the perturbed runs by name
+    (default: every `perturbed-*` run), the isolation pass's run when there is one (default:
+    `isolated`, if present). Same report, MLflow run and verdict as a check."""
+    from tracer.store import configure, runs_in, world_size_of
+
+    check_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {"check_id": check_id, "recipe": rec, "timings": {}, "store": root, "source": "ttrace compare"}
+    p = PlannedCheck(rec, output_dir, check_id, report, time.perf_counter(), base_dir=base_dir)
+    try:
+        configure(storage.options(rec.get("store") or {"url": root}))
+        present = runs_in(root)
+        if perturbed is None:
+            perturbed = sorted((r for r in present if r.startswith("perturbed-")),
+                               key=lambda r: (len(r), r))
+        if not perturbed:
+            raise TTraceError(f"no perturbed reference run under {root} (runs present: {present or 'none'}): "
+                              "the tolerance is estimated from them; launch the job R >= 2 more times on one "
+                              "device with TTRACE_ROLE=perturbed TTRACE_PERTURB=1, 2, ... "
+                              "(README, `ttrace compare`)")
+        if len(perturbed) < 2:
+            raise TTraceError(f"only one perturbed reference run ({perturbed[0]}) under {root}: the "
+                              "elementwise tolerance scores each run against the others' noise, so at "
+                              "least 2 are needed; launch another with TTRACE_ROLE=perturbed "
+                              "TTRACE_PERTURB=2")
+        if isolated is None and "isolated" in present:
+            isolated = "isolated"
+        t0 = time.perf_counter()
+        ref = load_logical(root, reference, world_size_of(root, reference), lazy=True)
+        pert = [load_logical(root, r, world_size_of(root, r), lazy=True) for r in perturbed]
+        world = world_size_of(root, candidate)
+        cand = load_logical(root, candidate, world, lazy=True)
+        meta = cand.meta
+        rec["parallel"] = {"name": meta.get("parallel") or f"world{world}", "world_size": world}
+        rec["bug"] = {"name": meta.get("bug") or "none"}
+        p.report["job"] = {"label": meta.get("job") or "script"}
+        p.report["reference"] = {"url": root, "cache": "external", "key": "",
+                                 "runs": {"reference": reference, "perturbed": perturbed,
+                                          "candidate": candidate, "isolated": isolated}}
+        policy = TolerancePolicy.from_config(rec["tolerance"])
+        p.comparison = compare(ref, cand, pert, policy)
+        p.report["timings"]["compare"] = time.perf_counter() - t0
+        p.report.update(p.comparison.to_json())
+        if isolated and p.comparison.verdict == "fail":
+            try:
+                local = compare(load_logical(root, reference, world_size_of(root, reference), lazy=True),
+                                load_logical(root, isolated, world_size_of(root, isolated), lazy=True),
+                                [load_logical(root, r, world_size_of(root, r), lazy=True) for r in perturbed],
+                                policy)
+                p.report.update(name_culprit(p.comparison, local))
+            except TTraceError as e:
+                p.report["localization_error"] = (f"isolation run '{isolated}' not usable (the verdict "
+                                                   f"stands): {e}")
+    except TTraceError as e:
+        p.error, p.comparison = str(e), None
+    return finish(p, base_dir, None)

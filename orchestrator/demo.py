@@ -14,7 +14,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.cli import REPORT_LINE, report_paths
+from orchestrator.console import REPORT_LINE, report_paths
 
 BUG = "sp_layernorm_grad_unreduced"
 

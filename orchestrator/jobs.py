@@ -12,7 +12,6 @@ committing a trace: it never called `tracer.session()`, never attached a model, 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import importlib
 import json
@@ -22,18 +21,14 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
+from orchestrator.rank_logs import RankLog, output_to, pump, rank_log
 from tracer.errors import ConfigError, JobError
-
-TAIL_LINES = 25
-LOG_CAP = 4 << 20     # bytes of a rank's log returned to a driver on another node
 
 # The child runs this first: it asks the kernel to kill it when the Ray worker that started it dies
 # (its job stopped by removing the placement group, tracer/cluster.py), then execs the program. A
@@ -48,7 +43,7 @@ _PDEATHSIG = ("import ctypes, os, signal, sys\n"
 def rank_env(spec: Mapping[str, Any], rank: int, world_size: int, master_addr: str, master_port: int,
              local_rank: int, local_world_size: int) -> dict[str, str]:
     """The variables a rank is started with, beyond the worker's own environment."""
-    from tracer.job import JobConfig
+    from tracer.job_config import JobConfig
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
            "LOCAL_WORLD_SIZE": str(local_world_size), "GROUP_RANK": "0", "MASTER_ADDR": master_addr,
@@ -66,7 +61,7 @@ def run_rank(spec: dict[str, Any], rank: int, world_size: int, master_addr: str,
     env = rank_env(spec, rank, world_size, master_addr, master_port,
                    rank if local_rank is None else local_rank,
                    world_size if local_world_size is None else local_world_size)
-    with _rank_log(spec, rank) as log:
+    with rank_log(spec, rank) as log:
         if job.get("command"):
             out = _run_command(job, env, log, rank)
             warning = _check_exit(spec, rank, out["exit_code"], log)
@@ -76,65 +71,6 @@ def run_rank(spec: dict[str, Any], rank: int, world_size: int, master_addr: str,
             out = _run_entrypoint(job, env, log, rank)
         _verify_trace(spec, rank, log)
         return {**out, "rank": rank, "seconds": time.perf_counter() - t0, "log": log.where()}
-
-
-# -- logs ------------------------------------------------------------------------------------------
-class RankLog:
-    """A rank's stdout and stderr, written to the check directory when this worker shares the
-    driver's node (else a temporary file whose text goes back with the result), with the last
-    stderr lines kept for error messages."""
-
-    def __init__(self, path: Path, local: bool):
-        self.path, self.local = path, local
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "w", buffering=1)
-        self.lock = threading.Lock()
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-
-    def write(self, line: str, stderr: bool) -> None:
-        with self.lock:
-            self.file.write(line)
-            if stderr:
-                self.tail.append(line.rstrip("\n"))
-
-    def tail_text(self) -> str:
-        if not self.tail:   # in-process entrypoints write straight to the file: read its end
-            self.file.flush()
-            lines = self.path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
-        else:
-            lines = list(self.tail)
-        return "\n".join("    " + ln for ln in lines) if lines else "    (no output)"
-
-    def where(self) -> dict[str, str]:
-        self.file.flush()
-        if self.local:
-            return {"path": str(self.path)}
-        data = self.path.read_bytes()
-        return {"text": data[-LOG_CAP:].decode(errors="replace")}
-
-
-@contextlib.contextmanager
-def _rank_log(spec: Mapping[str, Any], rank: int) -> Iterator[RankLog]:
-    log = spec.get("log") or {}
-    name = f"rank{rank:05d}.log"
-    here = _node_id()
-    if log.get("dir") and (not log.get("node") or log.get("node") == here):
-        rl = RankLog(Path(log["dir"]) / name, local=True)
-    else:
-        rl = RankLog(Path(tempfile.mkdtemp(prefix="ttrace-log-")) / name, local=False)
-    try:
-        yield rl
-    finally:
-        rl.file.close()
-
-
-def _node_id() -> str | None:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:
-        return None
 
 
 # -- command jobs -----------------------------------------------------------------------------------
@@ -170,7 +106,7 @@ def _run_command(job: Mapping[str, Any], env: Mapping[str, str], log: RankLog, r
     except OSError as e:
         raise JobError(f"rank {rank}: job.command could not be started in {cwd or os.getcwd()} ({e})") \
             from None
-    readers = [threading.Thread(target=_pump, args=(stream, log, err), daemon=True)
+    readers = [threading.Thread(target=pump, args=(stream, log, err), daemon=True)
                for stream, err in ((proc.stdout, False), (proc.stderr, True))]
     for t in readers:
         t.start()
@@ -200,11 +136,6 @@ def _check_exit(spec: Mapping[str, Any], rank: int, code: int, log: RankLog) -> 
     raise JobError(f"rank {rank} {how}; the last lines of its stderr:\n{log.tail_text()}")
 
 
-def _pump(stream: Any, log: RankLog, stderr: bool) -> None:
-    for line in stream:
-        log.write(line, stderr)
-
-
 # -- entrypoint jobs ------------------------------------------------------------------------------
 def resolve_entrypoint(entrypoint: str, workdir: str | None = None) -> Callable[..., Any]:
     """`pkg.module:function` imported (with `workdir` first on sys.path)."""
@@ -231,7 +162,7 @@ def _run_entrypoint(job: Mapping[str, Any], env: Mapping[str, str], log: RankLog
     workdir = job.get("workdir") or None
     tracer.job.reset()   # a reused worker: the previous job's session is not this one's
     try:
-        with _environ(env), _cwd(workdir), _sys_path(workdir), _output_to(log):
+        with _environ(env), _cwd(workdir), _sys_path(workdir), output_to(log):
             try:
                 fn = resolve_entrypoint(str(job["entrypoint"]), workdir)
                 result = fn()
@@ -299,25 +230,6 @@ def _sys_path(path: str | None) -> Iterator[None]:
     finally:
         with contextlib.suppress(ValueError):
             sys.path.remove(path)
-
-
-@contextlib.contextmanager
-def _output_to(log: RankLog) -> Iterator[None]:
-    """This process's fds 1 and 2 (Python and C output alike) into the rank's log, then back."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    os.dup2(log.file.fileno(), 1)
-    os.dup2(log.file.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
 
 
 # -- the trace a rank must leave ------------------------------------------------------------------

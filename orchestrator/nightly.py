@@ -21,9 +21,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from orchestrator import tracking
 from orchestrator.check import run_checks
 from orchestrator.recipe import compose
+from orchestrator.report import tracking
 from tracer.errors import TTraceError
 
 MATRIX_FILE = Path(__file__).resolve().parents[1] / "recipes" / "sweep" / "nightly.yaml"

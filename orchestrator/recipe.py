@@ -125,7 +125,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
              log: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plain dict a rank receives (as TTRACE_SPEC, tracer/job.py)."""
     from orchestrator.storage import options as store_options
-    from tracer.job import run_name
+    from tracer.job_config import run_name
 
     model, data = dict(recipe["model"]), dict(recipe["data"])
     if role in ("reference", "perturbed"):   # the candidate's code; only these differ (recipe reference.*)

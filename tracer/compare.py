@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -18,99 +17,10 @@ from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey, measure
 from tracer.tolerance import TolerancePolicy, unit_roundoff
-
-KIND_ORDER = ("output", "loss", "grad_output", "param_grad", "param")
-
-
-@dataclass
-class TensorResult:
-    name: str
-    module: str
-    module_type: str
-    kind: str
-    step: int
-    microbatch: int | None
-    index: int                 # position in the reference's execution order
-    rel_err: float             # ||c - r||_F / ||r||_F
-    max_err: float             # max |c - r| / max |r|
-    cosine: float
-    nonfinite: int             # non-finite values in the candidate
-    replica_err: float         # disagreement between candidate replicas that must be identical
-    tolerance: float           # on rel_err and replica_err
-    noise: float               # largest rel_err of a perturbed reference (this tensor; the tolerance
-                               # uses the max over the step's microbatches of the same module and kind)
-    max_noise: float           # largest max_err of a perturbed reference (reported, not judged)
-    analytic_bound: float      # Megatron-CI style k * C**depth * eps, for comparison
-    ok: bool
-    reason: str = ""
-    elem_err: float = 0.0        # max_i |c_i - r_i| / per-element noise scale (tracer.tolerance)
-    elem_noise: float = 0.0      # largest leave-one-out elem_err of a perturbed reference
-    elem_tolerance: float = math.inf   # on elem_err
-    scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
-    scale_tolerance: float = math.inf  # on |scale_err|
-    excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:
-    excused_fraction: float = 0.0
-    excused_dev: float = 0.0     #   their largest |c - r|, against excused_bound
-    excused_bound: float = 0.0   #   k x the largest move of any perturbed run, any parameter, this step
-    beyond: int = 0              #   how many are beyond k_elem x their own perturbed envelope, against
-    beyond_noise: int = 0        #   the most any perturbed run has beyond the others' (x k, +1)
-    replica_differ: int = 0      # elements in which two candidate replicas differ bitwise
+from tracer.verdicts import Comparison, TensorResult
 
 
-@dataclass
-class Comparison:
-    verdict: str
-    results: list[TensorResult] = field(default_factory=list)
-    first_divergence: TensorResult | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        fd = self.first_divergence
-        return {
-            "verdict": self.verdict,
-            "first_divergence": None if fd is None else {
-                "name": fd.name, "module": fd.module, "module_type": fd.module_type, "kind": fd.kind,
-                "rel_err": fd.rel_err, "tolerance": fd.tolerance, "reason": fd.reason,
-            },
-            "tensors": [asdict(r) for r in self.results],
-        }
-
-
-def reference_norm(r: torch.Tensor, perturbed: Sequence[torch.Tensor] = ()) -> float:
-    """What norm-wise errors are relative to: ||r||, or for an all-zero reference (a bias at init,
-    which the perturbation moves to +-denormals) the largest perturbed run's ||p - r||."""
-    ref = r.double().norm().item()
-    if ref > 0 or not perturbed:
-        return ref
-    return max((p.double() - r.double()).norm().item() for p in perturbed)
-
-
-def rel_err(c: torch.Tensor, r: torch.Tensor, norm: float | None = None) -> float:
-    """||c - r|| / norm (default ||r||); 0 if c == r, inf against a zero norm."""
-    diff = (c.double() - r.double()).norm().item()
-    if diff == 0.0:
-        return 0.0
-    ref = r.double().norm().item() if norm is None else norm
-    return diff / ref if ref > 0 else math.inf
-
-
-def max_err(c: torch.Tensor, r: torch.Tensor) -> float:
-    if c.numel() == 0:
-        return 0.0
-    diff = (c - r).abs().max().item()
-    if diff == 0.0:
-        return 0.0
-    ref = r.abs().max().item()
-    return diff / ref if ref > 0 else math.inf
-
-
-def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
-    nc, nr = c.norm().item(), r.norm().item()
-    if nc == 0.0 or nr == 0.0:
-        return 1.0 if nc == nr else 0.0
-    return float((c.flatten() @ r.flatten()).item() / (nc * nr))
-
-
-class _Arriving(Mapping[str, torch.Tensor]):
+class _ShapeCheckedReads(Mapping[str, torch.Tensor]):
     """A run's tensors as the measurement reads them, each once, chunk by chunk (a stored run is
     read as it goes, see tracer.logical). In the candidate (`replicas` given), a tensor whose pieces
     do not reassemble to the reference's shape is a wrong layout: it is noted in `mismatch` (judged
@@ -177,10 +87,10 @@ def _per_step(trace: LogicalTrace) -> LogicalTrace:
     """The run's tensors of whole steps (no microbatch index): parameters and their gradients."""
     keep = [n for n in trace.order if trace.info[n].get("microbatch") is None]
     return LogicalTrace(trace.run, trace.world_size, trace.meta, keep, {n: trace.info[n] for n in keep},
-                        _Only(trace.tensors, set(keep)), trace.sizes)
+                        _Subset(trace.tensors, set(keep)), trace.sizes)
 
 
-class _Only(Mapping[str, Assembled]):
+class _Subset(Mapping[str, Assembled]):
     """A run's tensors restricted to some names (read lazily as the run's own mapping does)."""
 
     def __init__(self, tensors: Mapping[str, Assembled], names: set[str]):
@@ -250,9 +160,9 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     keys = tensor_keys(reference)
     replicas: dict[str, Assembled] = {}
-    arriving = _Arriving(candidate, reference, replicas)
-    stats = measure(keys, _Arriving(reference, reference), arriving,
-                    [_Arriving(p, reference) for p in perturbed], policy.k_elem)
+    arriving = _ShapeCheckedReads(candidate, reference, replicas)
+    stats = measure(keys, _ShapeCheckedReads(reference, reference), arriving,
+                    [_ShapeCheckedReads(p, reference) for p in perturbed], policy.k_elem)
     _check_perturbed_moved(reference, perturbed, stats)
     for name in reference.order:
         if stats[name].ref_nonfinite:

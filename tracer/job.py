@@ -28,186 +28,27 @@ on it:
 Outside ttrace (no TTRACE_ROLE and no TTRACE_SPEC in the environment) the session is disabled: every
 call is a no-op and the script trains exactly as it would without it.
 
-Environment (ttrace's launcher sets all of them; by hand, with plain torchrun, set the first four):
-  TTRACE_STORE      where the trace goes (any fsspec URL)
-  TTRACE_ROLE       reference | perturbed | candidate | isolated
-  TTRACE_PERTURB    the perturbed run's index r = 1, 2, ... (role perturbed)
-  TTRACE_REFERENCE  URL of the reference run, <store>/reference (role isolated)
-  TTRACE_RUN        run name in the store (default: the role; perturbed-<r> for perturbed runs)
-  TTRACE_SEED       seed of the consistent generator (`init_weights`)
-  TTRACE_SPEC       JSON: the whole job spec from the recipe (parallel sizes, steps, seed, data,
-                    model, ...); ttrace's own jobs read their model from it
+Environment: tracer/job_config.py.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
-import json
-import os
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from tracer.errors import ConfigError
-from tracer.generator import full_tensor, perturb_signs, step_ulp
-from tracer.layouts import Layout, Replicate
-from tracer.plan import Plan, Rename, param_layouts
-
-ENV_SPEC = "TTRACE_SPEC"
-ENV_STORE = "TTRACE_STORE"
-ENV_ROLE = "TTRACE_ROLE"
-ENV_PERTURB = "TTRACE_PERTURB"
-ENV_REFERENCE = "TTRACE_REFERENCE"
-ENV_RUN = "TTRACE_RUN"
-ENV_SEED = "TTRACE_SEED"
-ROLES = ("reference", "perturbed", "candidate", "isolated")
-UNTRACED = "untraced"
-DEFAULT_SEED = 1234
-INITIAL_STEP = -1   # the canonical step of the parameters as attached, before any optimizer step
-
-
-def run_name(role: str, perturb: int | None = None) -> str:
-    """The store's name of a run: the role, or perturbed-<r>."""
-    return f"perturbed-{perturb}" if role == "perturbed" else role
-
-
-@dataclass(frozen=True)
-class Parallel:
-    """The parallel sizes of this job (the recipe's `parallel` section under ttrace)."""
-
-    world_size: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    vpp: int = 1
-    sp: bool = False
-    zero1: bool = False
-    name: str = ""
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.world_size // (self.tp * self.pp * self.cp))
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any], world_size: int) -> Parallel:
-        known = {f.name: f.type for f in fields(cls)}
-        kw: dict[str, Any] = {}
-        for k, v in d.items():
-            if k in known and v is not None:
-                kw[k] = bool(v) if k in ("sp", "zero1") else (str(v) if k == "name" else int(v))
-        kw.setdefault("world_size", world_size)
-        return cls(**kw)
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """Everything ttrace tells one rank of a job (from its environment: see the module doc)."""
-
-    role: str = UNTRACED
-    run: str = ""
-    store: str | None = None
-    perturb: int | None = None
-    reference: str | None = None
-    seed: int = DEFAULT_SEED
-    steps: int | None = None
-    parallel: Parallel = field(default_factory=Parallel)
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    fingerprint: str | None = None
-    spec: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def traced(self) -> bool:
-        return self.role != UNTRACED and bool(self.spec.get("trace", {}).get("enabled", True))
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **defaults: Any) -> JobConfig:
-        """The config of this rank. `defaults` (seed, steps, tp, sp, ...) are the script's own values,
-        used outside ttrace; under ttrace the recipe's win."""
-        env = os.environ if env is None else env
-        try:
-            spec = json.loads(env[ENV_SPEC]) if env.get(ENV_SPEC) else {}
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{ENV_SPEC} is not valid JSON ({e}); it is written by ttrace's launcher") \
-                from None
-        return cls.from_spec(spec, env=env, **defaults)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
-                  **defaults: Any) -> JobConfig:
-        env = {} if env is None else env
-        trace = dict(spec.get("trace") or {})
-        rank, world = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
-        role = env.get(ENV_ROLE) or trace.get("role") or UNTRACED
-        store = env.get(ENV_STORE) or trace.get("store_url")
-        if role == UNTRACED and store and not spec:
-            raise ConfigError(f"{ENV_STORE} is set but {ENV_ROLE} is not: set {ENV_ROLE} to one of "
-                              f"{', '.join(ROLES)}")
-        if role not in (*ROLES, UNTRACED):
-            raise ConfigError(f"{ENV_ROLE}={role!r} is not a role; use one of {', '.join(ROLES)}")
-        perturb = env.get(ENV_PERTURB) or trace.get("perturb")
-        perturb = None if perturb in (None, "") else int(perturb)
-        reference = env.get(ENV_REFERENCE) or trace.get("reference")
-        if role != UNTRACED and not store:
-            raise ConfigError(f"{ENV_ROLE}={role} needs {ENV_STORE}, the URL the trace is written to")
-        if role == "perturbed" and (perturb is None or perturb < 1):
-            raise ConfigError(f"{ENV_ROLE}=perturbed needs {ENV_PERTURB}=r with r = 1, 2, ... (one value per "
-                              "perturbed reference run)")
-        if role != "perturbed" and perturb is not None:
-            raise ConfigError(f"{ENV_PERTURB}={perturb} is set but {ENV_ROLE}={role}: only perturbed "
-                              "reference runs are perturbed")
-        if role == "isolated" and not reference:
-            raise ConfigError(f"{ENV_ROLE}=isolated needs {ENV_REFERENCE}, the URL of the reference run "
-                              "(<store>/reference)")
-        sizes = dict(defaults)
-        seed = _first(env.get(ENV_SEED), spec.get("seed"), sizes.pop("seed", None), DEFAULT_SEED)
-        steps = _first(spec.get("steps"), sizes.pop("steps", None))
-        parallel = Parallel.from_mapping(spec.get("parallel") or sizes, world)
-        if spec and parallel.world_size != world:
-            raise ConfigError(f"parallel={parallel.name or '?'} declares world_size={parallel.world_size} "
-                              f"but the job was launched with WORLD_SIZE={world}; fix the recipe or the "
-                              "launcher")
-        return cls(role=role, run=env.get(ENV_RUN) or trace.get("run") or run_name(role, perturb),
-                   store=store, perturb=perturb, reference=reference, seed=int(seed),
-                   steps=None if steps is None else int(steps), parallel=parallel, rank=rank,
-                   world_size=world, local_rank=_int(env, "LOCAL_RANK", rank),
-                   fingerprint=trace.get("fingerprint"), spec=spec)
-
-    def env(self) -> dict[str, str]:
-        """The TTRACE_* variables that give a rank this config (ttrace's launcher)."""
-        out = {ENV_SPEC: json.dumps(self.spec, default=str), ENV_ROLE: self.role, ENV_RUN: self.run,
-               ENV_SEED: str(self.seed)}
-        if self.store:
-            out[ENV_STORE] = self.store
-        if self.perturb is not None:
-            out[ENV_PERTURB] = str(self.perturb)
-        if self.reference:
-            out[ENV_REFERENCE] = self.reference
-        return out
-
-
-def _first(*values: Any) -> Any:
-    """The first value that is set (0 counts as set)."""
-    return next((v for v in values if v not in (None, "")), None)
-
-
-def _int(env: Mapping[str, str], key: str, default: int) -> int:
-    try:
-        return int(env.get(key, default))
-    except ValueError:
-        raise ConfigError(f"{key}={env.get(key)!r} is not an integer") from None
-
+from tracer.job_config import INITIAL_STEP, JobConfig, Parallel
+from tracer.parameters import init_parameters, mesh_axes_of, param_layout_map, perturb_parameters
+from tracer.plan import Plan, Rename
+from tracer.process_exit import collect_garbage_at_exit, on_uncaught_exception
 
 # A tracer built at attach time: (coords, sizes, meta) -> tracer.Tracer-like (tests record in memory).
 TracerFactory = Callable[[Mapping[str, int], Mapping[str, int], Mapping[str, Any], bool], Any]
+
 
 
 class Session:
@@ -282,9 +123,9 @@ class Session:
         logical tensor by global name and `seed`, sliced by its layout), so every layout starts from
         the same weights whatever order it builds its modules in. `init(name, module)` returns
         "normal", "ones" or "zeros" (default: norms ones/zeros, biases zeros, the rest normal(0, std))."""
-        coords, sizes = self._axes(model, coords, sizes, plan)
-        init_parameters(model, _layouts(model, plan), self.seed, coords, sizes, rename=rename, init=init,
-                        std=std)
+        coords, sizes = mesh_axes_of(model, coords, sizes, plan, None, self.rank, self.world_size)
+        init_parameters(model, param_layout_map(model, plan), self.seed, coords, sizes, rename=rename,
+                        init=init, std=std)
 
     def attach(self, model: nn.Module, plan: Plan | None = None, *, mesh: Any = None,
                coords: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
@@ -296,7 +137,7 @@ class Session:
         otherwise) or feed the reference's tensors (isolated).
 
         Layouts: from `plan` (module-name patterns -> ModuleLayout, tracer.plan) when given, else from
-        DTensor placements (tracer.frameworks.dtensor), a plain tensor being a replica. Mesh axes: the
+        DTensor placements (tracer.integrations.dtensor), a plain tensor being a replica. Mesh axes: the
         given `coords`/`sizes`, else `mesh`'s (dims named after ttrace axes: dp, tp, pp, cp, ep), else
         the mesh of the first DTensor parameter, else plain data parallelism {dp: rank}. `modules`
         narrows the traced modules (DTensor layouts; default every leaf module owning parameters);
@@ -308,9 +149,9 @@ class Session:
         if self._tracer is not None:
             raise RuntimeError("tr.attach(model) was already called in this session; attach once, to the "
                                "whole model (or to the pipeline stage this rank holds)")
-        self.coords, self.sizes = self._axes(model, coords, sizes, plan, mesh)
+        self.coords, self.sizes = mesh_axes_of(model, coords, sizes, plan, mesh, self.rank, self.world_size)
         if self.role == "perturbed" and perturb:
-            perturb_parameters(model, _layouts(model, plan), self.config.perturb or 0, self.coords,
+            perturb_parameters(model, param_layout_map(model, plan), self.config.perturb or 0, self.coords,
                                self.sizes, rename=rename)
         self._tracer = self._new_tracer(plan is None, meta)
         if plan is not None:
@@ -324,7 +165,7 @@ class Session:
         with self._tracer.step(INITIAL_STEP):
             self._tracer.record_params(model)
         if self.role == "isolated":
-            from tracer.isolation import ReferenceFeed
+            from tracer.feed import ReferenceFeed
             from tracer.logical import load_logical
             from tracer.store import world_size_of
 
@@ -409,110 +250,13 @@ class Session:
             return self._factory(self.coords, self.sizes, m, dtensor)
         cfg = self.config
         if dtensor:
-            from tracer.frameworks.dtensor import DTensorTracer
+            from tracer.integrations.dtensor import DTensorTracer
 
             return DTensorTracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes,
                                  meta=m)
         from tracer.collector import Tracer
 
         return Tracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes, meta=m)
-
-    def _axes(self, model: nn.Module, coords: Mapping[str, int] | None, sizes: Mapping[str, int] | None,
-              plan: Plan | None, mesh: Any = None) -> tuple[dict[str, int], dict[str, int]]:
-        if coords is not None or sizes is not None:
-            if coords is None or sizes is None:
-                raise ConfigError("attach(model, coords=..., sizes=...): give both, or neither")
-            return dict(coords), dict(sizes)
-        if plan is not None:
-            raise ConfigError("attach(model, plan): a plan's layouts name mesh axes, so pass this rank's "
-                              "coords and sizes too (e.g. coords={'tp': tp_rank, 'dp': dp_rank}, "
-                              "sizes={'tp': tp, 'dp': dp})")
-        if mesh is None:
-            mesh = _first_mesh(model)
-        if mesh is not None:
-            from tracer.frameworks.dtensor import mesh_axes
-
-            return mesh_axes(mesh)
-        return {"dp": self.rank}, {"dp": self.world_size}
-
-
-def _first_mesh(model: nn.Module) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-
-
-def _layouts(model: nn.Module, plan: Plan | None) -> dict[str, Layout]:
-    """Every parameter's layout: from the plan, else its DTensor placements (plain: replicated)."""
-    if plan is not None:
-        return param_layouts(model, plan)
-    from tracer.frameworks.dtensor import layout_of
-
-    return {n: layout_of(p) for n, p in model.named_parameters()}
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return p._local_tensor if isinstance(p, DTensor) else p.data
-
-
-def _logical_shape(p: torch.Tensor, layout: Layout, sizes: Mapping[str, int]) -> tuple[int, ...]:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(p, DTensor):
-        return tuple(p.shape)
-    shape = list(p.shape)
-    for dim, axis in layout.shard:
-        shape[dim] *= int(sizes.get(axis, 1))
-    return tuple(shape)
-
-
-def _each_param(model: nn.Module, layouts: Mapping[str, Layout], sizes: Mapping[str, int],
-                rename: Rename | None) -> Iterator[tuple[str, str, torch.Tensor, Layout, tuple[int, ...]]]:
-    """(local name, global name, local tensor, layout, logical shape) of every parameter."""
-    rename = rename or (lambda n: n)
-    for name, p in model.named_parameters():
-        layout = layouts.get(name, Replicate())
-        if layout.partial:
-            raise ConfigError(f"parameter {name} is declared a partial sum; a parameter is sharded or "
-                              "replicated")
-        yield name, rename(name), _local(p), layout, _logical_shape(p, layout, sizes)
-
-
-@torch.no_grad()
-def perturb_parameters(model: nn.Module, layouts: Mapping[str, Layout], perturb: int,
-                       coords: Mapping[str, int], sizes: Mapping[str, int], *,
-                       rename: Rename | None = None) -> None:
-    """Move every parameter element one ulp of its dtype, with signs drawn per element of the logical
-    tensor (seed: perturbed run r and the global name) and sliced by the layout: every layout of the
-    same run moves the same logical weights the same way."""
-    for _, gname, local, layout, shape in _each_param(model, layouts, sizes, rename):
-        up = layout.local(perturb_signs(shape, perturb, gname), coords, sizes)
-        local.copy_(step_ulp(local, up))
-
-
-def default_init(name: str, module: nn.Module) -> str:
-    """norm weights ones, norm and other biases zeros, everything else normal."""
-    kind = name.rpartition(".")[2]
-    norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
-    if norm:
-        return "ones" if kind == "weight" else "zeros"
-    return "zeros" if kind == "bias" else "normal"
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, layouts: Mapping[str, Layout], seed: int, coords: Mapping[str, int],
-                    sizes: Mapping[str, int], *, rename: Rename | None = None,
-                    init: Callable[[str, nn.Module], str] | None = None, std: float = 0.02) -> None:
-    """Every parameter generated as its full logical tensor by global name (tracer.full_tensor, in
-    FP32, then cast to the parameter's dtype) and sliced to this rank's shard by its layout."""
-    init = init or default_init
-    modules = dict(model.named_modules())
-    for name, gname, local, layout, shape in _each_param(model, layouts, sizes, rename):
-        kind = init(name, modules[name.rpartition(".")[0]])
-        full = full_tensor(gname, shape, seed, init=kind, std=std).to(local.dtype)
-        local.copy_(layout.local(full, coords, sizes))
 
 
 _current: Session | None = None
@@ -528,40 +272,14 @@ def session(**defaults: Any) -> Session:
     if _current is None or _current._closed:
         _current = Session(JobConfig.from_env(**defaults))
         atexit.register(_current.close)
-        _watch_uncaught_exceptions()
-        _collect_at_exit()
+        on_uncaught_exception(_mark_failed)
+        collect_garbage_at_exit()
     return _current
 
 
-def _collect_at_exit() -> None:
-    """Collect cyclic garbage at exit, while the interpreter is whole. torch's gloo backend otherwise
-    aborts in about 1 of 10 two-rank runs here ("terminate called without an active exception",
-    SIGABRT): objects of finished collectives die during interpreter finalization (pytorch PR
-    #179291). Measured on a 2-rank gloo script: 3-5 aborts in 30 runs without, 0 in 90 with a
-    collection after destroy_process_group. It changes nothing in training, traced or not."""
-    global _collecting
-    if not _collecting:
-        atexit.register(gc.collect)   # atexit is last-in first-out: runs before the session's close
-        _collecting = True
-
-
-_collecting = False
-
-
-def _watch_uncaught_exceptions() -> None:
-    """Python calls sys.excepthook for an uncaught exception before the atexit handlers: the session
-    then commits its trace marked incomplete instead of passing a partial run off as a whole one."""
-    previous = sys.excepthook
-    if getattr(previous, "_ttrace", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if _current is not None:
-            _current._failed = f"{kind.__name__}: {value}"[:500]
-        previous(kind, value, tb)
-
-    hook._ttrace = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
+def _mark_failed(what: str) -> None:
+    if _current is not None:
+        _current._failed = what
 
 
 def current() -> Session | None:

@@ -4,11 +4,11 @@ A trace holds thousands of mostly small tensors: judged one at a time, each cost
 dispatches whatever its size, and the comparison ran at ~0.1 GB/s. Here consecutive tensors (in the
 reference's execution order) are concatenated into flat chunks of about `chunk_elems` elements,
 every elementwise formula runs once per chunk, and per-tensor figures come from blocked
-reductions (see _Blocks). Chunks stay cache-sized, and their temporaries come from the heap
-(see _heap_keeps_chunks).
+reductions (see Blocks). Chunks stay cache-sized, and their temporaries come from the heap
+(tracer/heap.py).
 
 The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err,
-elem_noise) and `tracer.compare` (rel_err, max_err, cosine); tests/test_measure.py holds the two
+elem_noise, rel_err, max_err, cosine); tests/test_measure.py holds the two
 equal. Elementwise work runs in the widest dtype of the chunk's inputs (float32 for float32, bf16
 and fp8 traces, so differences of nearby values are exact), sums of squares in float64.
 
@@ -21,17 +21,16 @@ the same parameter path that updates its mask.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tracer.blocks import Blocks, leave_one_out, max_rows, no_nan, ratio
+from tracer.heap import heap_keeps_chunks
+
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
-BLOCK = 128             # reduction block (see _Blocks); a tensor pads to a whole number of blocks
 
 
 @dataclass
@@ -89,88 +88,6 @@ class _Excusal:
         self.masks[path] = mask if prev is None or prev.shape != mask.shape else prev | mask
 
 
-class _Blocks:
-    """A chunk's tensors laid out flat, each zero-padded to whole blocks of BLOCK elements, so every
-    reduction is a dense (blocks, BLOCK) reduction followed by a small per-tensor one over its blocks
-    (torch's segment reductions over elements are 10-80x slower than dense ones). Zero padding is
-    neutral for every reduction here: sums of squares, and maxima of non-negative values."""
-
-    def __init__(self, lens: Sequence[int]):
-        self.lens = list(lens)
-        nblocks = [-(-n // BLOCK) for n in self.lens]
-        self.block_lengths = torch.tensor(nblocks, dtype=torch.int64)
-        self.offsets = [0]
-        for b in nblocks:
-            self.offsets.append(self.offsets[-1] + b * BLOCK)
-
-    def flat(self, run: Mapping[str, torch.Tensor], names: Sequence[str], dtype: torch.dtype) -> torch.Tensor:
-        """(blocks, BLOCK) array of the tensors, padded; one cat for the whole chunk."""
-        pad = torch.zeros(BLOCK, dtype=dtype)
-        pieces = []
-        for name, n in zip(names, self.lens, strict=True):
-            pieces.append(run[name].reshape(-1))
-            if n % BLOCK:
-                pieces.append(pad[:BLOCK - n % BLOCK])
-        return torch.cat(pieces).to(dtype).view(-1, BLOCK)
-
-    def slice(self, i: int) -> slice:
-        """Tensor i's elements in the flattened chunk (padding excluded)."""
-        return slice(self.offsets[i], self.offsets[i] + self.lens[i])
-
-    def per_block(self, per_tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A per-tensor value broadcast to (blocks, 1)."""
-        return per_tensor.to(dtype).repeat_interleave(self.block_lengths)[:, None]
-
-    def sumsq(self, x: torch.Tensor) -> torch.Tensor:
-        """Per tensor sum of squares, squared and accumulated in float64."""
-        return self._sum(torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).square())
-
-    def dot(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self._sum((x.double() * y.double()).sum(1))
-
-    def count(self, x: torch.Tensor) -> torch.Tensor:
-        return self._sum(x.sum(1, dtype=torch.float64))
-
-    def max(self, x: torch.Tensor) -> torch.Tensor:
-        """Per tensor max of a non-negative array (0 for an empty tensor; NaN propagates)."""
-        return torch.segment_reduce(x.amax(1).double(), "max", lengths=self.block_lengths, initial=0)
-
-    def _sum(self, per_block: torch.Tensor) -> torch.Tensor:
-        return torch.segment_reduce(per_block, "sum", lengths=self.block_lengths)
-
-
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """num / den with 0/x = 0 and x/0 = inf (x > 0): the per-tensor definitions' conventions."""
-    return torch.where(num == 0, 0.0, torch.where(den > 0, num / den, math.inf))
-
-
-def _no_nan(x: torch.Tensor) -> torch.Tensor:
-    """Elementwise error ratios: 0/0 (an element nothing moved) counts as 0 (tracer.tolerance.elem_err)."""
-    return x.nan_to_num(nan=0.0, posinf=math.inf)
-
-
-def _max_rows(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    out = rows[0]
-    for x in rows[1:]:
-        out = torch.maximum(out, x)
-    return out
-
-
-def _leave_one_out(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """For each i, the elementwise max of all rows but row i (zeros when there is no other row)."""
-    n = len(rows)
-    prefix, suffix = [None] * n, [None] * n
-    for i in range(1, n):
-        prefix[i] = rows[i - 1] if prefix[i - 1] is None else torch.maximum(prefix[i - 1], rows[i - 1])
-    for i in range(n - 2, -1, -1):
-        suffix[i] = rows[i + 1] if suffix[i + 1] is None else torch.maximum(suffix[i + 1], rows[i + 1])
-    out = []
-    for a, b in zip(prefix, suffix, strict=True):
-        out.append(torch.zeros_like(rows[0]) if a is None and b is None else
-                   a if b is None else b if a is None else torch.maximum(a, b))
-    return out
-
-
 def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]]:
     """Consecutive keys, ~chunk_elems elements each; a param starts a new chunk if its path's mask was
     updated (by its param_grad or an earlier step's param) within the current chunk."""
@@ -202,44 +119,12 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     if excused_masks is not None:
         excusal.masks = excused_masks
     out: dict[str, TensorStats] = {}
-    with _heap_keeps_chunks():
+    with heap_keeps_chunks():
         for chunk in _chunks(keys, chunk_elems):
             names = [k.name for k in chunk]
             runs = [{n: run[n] for n in names} for run in (reference, candidate, *perturbed)]
             out.update(_measure_chunk(chunk, runs[0], runs[1], runs[2:], excusal))
     return out
-
-
-@contextlib.contextmanager
-def _heap_keeps_chunks() -> Iterator[None]:
-    """On glibc, serve the chunk temporaries from the heap instead of fresh mmaps.
-
-    glibc maps every allocation above M_MMAP_THRESHOLD (128 KiB until its dynamic rule raises it)
-    and returns it on free, so each ~1 MB temporary of every formula page-faults anew: measured on
-    a 16x trace, the comparison took 2.4 s cold and 0.8 s with the heap serving them. The thresholds
-    are put back to glibc's defaults afterwards (its dynamic adjustment stays off) and the freed
-    heap is returned to the system."""
-    libc = _glibc()
-    if libc is None:
-        yield
-        return
-    m_trim, m_mmap = -1, -3
-    libc.mallopt(m_mmap, 32 << 20)
-    libc.mallopt(m_trim, 512 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(m_mmap, 128 << 10)
-        libc.mallopt(m_trim, 128 << 10)
-        libc.malloc_trim(0)
-
-
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def _measure_chunk(chunk: Sequence[TensorKey],
@@ -249,7 +134,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     names = [k.name for k in chunk]
     wide = any(run[n].dtype == torch.float64 for run in (reference, candidate, *perturbed) for n in names)
     dtype = torch.float64 if wide else torch.float32
-    blocks = _Blocks([k.numel for k in chunk])
+    blocks = Blocks([k.numel for k in chunk])
     lengths = torch.tensor(blocks.lens, dtype=torch.float64)
     zero = torch.zeros(len(names), dtype=torch.float64)
 
@@ -257,7 +142,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     ps = [blocks.flat(p, names, dtype) for p in perturbed]
     d_full = [p - r for p in ps]
     a_full = [d.abs() for d in d_full]
-    env_full = _max_rows(a_full) if ps else torch.zeros_like(r)
+    env_full = max_rows(a_full) if ps else torch.zeros_like(r)
 
     # Params: update each path's mask with the elements its gradient deviation explains, then
     # judge the elements outside the mask with the figures below, and the excused ones against
@@ -271,7 +156,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
         flat = lambda x: x.view(-1)
         diff_full = flat((c - r).abs())
         env_flat = flat(env_full)
-        loo_full = [flat(x) for x in _leave_one_out(a_full)] if len(ps) > 1 else []
+        loo_full = [flat(x) for x in leave_one_out(a_full)] if len(ps) > 1 else []
         tiny = torch.finfo(dtype).tiny
         judged = torch.ones_like(r, dtype=torch.bool)
         excused = [0.0] * n
@@ -310,7 +195,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
         keep = lambda x: torch.where(judged, x, 0.0)
         d = [keep(x) for x in d_full]
         a = [x.abs() for x in d]
-        env = _max_rows(a) if ps else env_full
+        env = max_rows(a) if ps else env_full
     else:
         keep = lambda x: x
         d, a, env = d_full, a_full, env_full
@@ -334,33 +219,33 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     # relative to nothing, every perturbed draw would be infinitely far and the tolerance infinite
     # (tracer.compare.reference_norm).
     rn_all = rn if judged is None else blocks.sumsq(r).sqrt()
-    rn_eff = torch.where(rn_all > 0, rn_all, _max_rows(pn)) if ps else rn_all
-    noise = _max_rows([_ratio(x, rn_eff) for x in pn]) if ps else zero           # max_r rel_err(p_r, r)
+    rn_eff = torch.where(rn_all > 0, rn_all, max_rows(pn)) if ps else rn_all
+    noise = max_rows([ratio(x, rn_eff) for x in pn]) if ps else zero           # max_r rel_err(p_r, r)
     # max_r max_i |p_ri - r_i| = max_i env_i: one reduction for all runs (likewise below)
-    max_noise = _ratio(blocks.max(env), r_absmax) if ps else zero
+    max_noise = ratio(blocks.max(env), r_absmax) if ps else zero
 
     # Leave-one-out elementwise noise of each perturbed run against the others' scale (fmax skips
     # the 0/0 of elements no run moved), then the candidate against all runs' scale.
     elem_noise = zero
     if ps:
-        env_loo, nu_loo = _leave_one_out(a), _leave_one_out(noise_scl)
+        env_loo, nu_loo = leave_one_out(a), leave_one_out(noise_scl)
         worst = None
         for i in range(len(ps)):
             q = a[i] / torch.addcmul(env_loo[i], mag, blocks.per_block(nu_loo[i] + units, dtype))
             worst = q if worst is None else torch.fmax(worst, q)
-        elem_noise = blocks.max(_no_nan(worst))
-    nu = _max_rows(noise_scl) if ps else zero
-    elem_err = blocks.max(_no_nan(adc / torch.addcmul(env, mag, blocks.per_block(nu + units, dtype))))
+        elem_noise = blocks.max(no_nan(worst))
+    nu = max_rows(noise_scl) if ps else zero
+    elem_err = blocks.max(no_nan(adc / torch.addcmul(env, mag, blocks.per_block(nu + units, dtype))))
 
     dc2 = blocks.sumsq(dc)
-    rel = _ratio(dc2.sqrt(), rn_eff)
-    max_err = _ratio(blocks.max(adc), r_absmax)
+    rel = ratio(dc2.sqrt(), rn_eff)
+    max_err = ratio(blocks.max(adc), r_absmax)
     # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
     r_dc = blocks.dot(rj, dc)
     # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
     along = lambda x: torch.where(rn2 > 0, x / rn2.clamp_min(1e-300), 0.0)
     scale_err = along(r_dc)
-    scale_noise = _max_rows([along(blocks.dot(rj, x)).abs() for x in d]) if ps else zero
+    scale_noise = max_rows([along(blocks.dot(rj, x)).abs() for x in d]) if ps else zero
     dot = rn2 + r_dc
     cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
     cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), dot / (cn * rn).clamp_min(1e-300))

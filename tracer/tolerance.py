@@ -54,6 +54,41 @@ def compute_roundoff(precision: str | None) -> float:
     return COMPUTE_ROUNDOFF.get(str(precision or "fp32"), 2.0**-24)
 
 
+def reference_norm(r: torch.Tensor, perturbed: Sequence[torch.Tensor] = ()) -> float:
+    """What norm-wise errors are relative to: ||r||, or for an all-zero reference (a bias at init,
+    which the perturbation moves to +-denormals) the largest perturbed run's ||p - r||."""
+    ref = r.double().norm().item()
+    if ref > 0 or not perturbed:
+        return ref
+    return max((p.double() - r.double()).norm().item() for p in perturbed)
+
+
+def rel_err(c: torch.Tensor, r: torch.Tensor, norm: float | None = None) -> float:
+    """||c - r|| / norm (default ||r||); 0 if c == r, inf against a zero norm."""
+    diff = (c.double() - r.double()).norm().item()
+    if diff == 0.0:
+        return 0.0
+    ref = r.double().norm().item() if norm is None else norm
+    return diff / ref if ref > 0 else math.inf
+
+
+def max_err(c: torch.Tensor, r: torch.Tensor) -> float:
+    if c.numel() == 0:
+        return 0.0
+    diff = (c - r).abs().max().item()
+    if diff == 0.0:
+        return 0.0
+    ref = r.abs().max().item()
+    return diff / ref if ref > 0 else math.inf
+
+
+def cosine(c: torch.Tensor, r: torch.Tensor) -> float:
+    nc, nr = c.norm().item(), r.norm().item()
+    if nc == 0.0 or nr == 0.0:
+        return 1.0 if nc == nr else 0.0
+    return float((c.flatten() @ r.flatten()).item() / (nc * nr))
+
+
 def noise_scale(perturbed: Sequence[torch.Tensor], r: torch.Tensor, u: float) -> torch.Tensor:
     """Per-element noise scale: the perturbed runs' envelope max_r |p_r - r| plus the tensor's pooled
     relative noise nu (and one unit roundoff) times the element's magnitude |r_i| + rms(r).

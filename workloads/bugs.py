@@ -22,7 +22,7 @@ class Bug:
     # bug, and an fnmatch pattern the culprit's (else the first divergence's) "module/kind" must match.
     trigger: tuple[str, ...] = ()
     expect: str = ""
-    job: str = "builtin"         # the job option carrying it (job=<name>; workloads/frameworks: bugs
+    job: str = "builtin"         # the job option carrying it (job=<name>; workloads/adapters: bugs
                                  # injected into a third-party library)
     # The reference runs the candidate's code, bug included. A bug a single device shares needs a
     # reference that differs where the bug lives: these overrides (recipe `reference.*`) give it.
@@ -168,7 +168,7 @@ CATALOG.update({b.name: b for b in (
 
 
 # Bugs injected into third-party frameworks by patching the real function at fault
-# (workloads/frameworks/<job>.py); their `trigger` includes the `job=` option.
+# (workloads/adapters/<job>.py); their `trigger` includes the `job=` option.
 # -- megatron-core
 CATALOG.update({b.name: b for b in (
     Bug("megatron_sp_layernorm_grad_unreduced",
@@ -220,8 +220,9 @@ def bug_name(spec: Mapping[str, Any]) -> str:
     return str((spec.get("bug") or {}).get("name", NONE) or NONE)
 
 
-def active(spec: Mapping[str, Any], name: str) -> bool:
-    """Is bug `name` switched on in this spec? (`name` must be in the catalog: typos fail loudly.)"""
+def active(bug: str, name: str) -> bool:
+    """Is bug `name` the job's switched-on bug `bug` (Config.bug)? (`name` must be in the catalog:
+    typos fail loudly.)"""
     if name not in CATALOG:
         raise KeyError(f"unknown bug switch '{name}' queried in workload code; catalog: {sorted(CATALOG)}")
-    return bug_name(spec) == name
+    return bug == name

@@ -47,7 +47,7 @@ def positions(ps: ParallelState, seq: int, device: torch.device | None = None) -
     return zigzag_index(seq, ps.cp_size, ps.coords.get("cp", 0)).to(device)
 
 
-def localize(mbs: Sequence[Microbatch], ps: ParallelState) -> list[Microbatch]:
+def local_chunks(mbs: Sequence[Microbatch], ps: ParallelState) -> list[Microbatch]:
     """This CP rank's zigzag slice of every microbatch's tokens and labels."""
     if ps.cp_size == 1:
         return list(mbs)
@@ -155,7 +155,7 @@ class CPCoreAttention(nn.Module):
 
 
 # -- loss --------------------------------------------------------------------------------------------
-class _GatherSequence(torch.autograd.Function):
+class _GatherZigzagTokens(torch.autograd.Function):
     """Local per-token losses [b, s_local] -> full sequence [b, s] in natural order, on every CP rank.
     Backward keeps this rank's tokens (every rank holds the same full loss)."""
 
@@ -189,17 +189,18 @@ class CPTokenLoss(TokenLoss):
         self.register_buffer("idx", positions(ps, seq_len), persistent=False)
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _GatherSequence.apply(super().forward(logits, labels), self.idx, self.cp_group, self.scale_bug)
+        losses = super().forward(logits, labels)
+        return _GatherZigzagTokens.apply(losses, self.idx, self.cp_group, self.scale_bug)
 
 
-def apply(model: nn.Module, ps: ParallelState, cfg: Any, spec: Any) -> None:
-    """Swap in the CP modules (GPT attention cores, the loss) and tell llama attention its positions."""
+def apply(model: nn.Module, ps: ParallelState, cfg: Any) -> None:
+    """Swap in the CP modules (GPT attention cores, the loss) and tell every attention core that runs
+    context-parallel itself (`enable_cp`: llama's GQA core) its positions."""
     from workloads import bugs
-    from workloads.llama import GQACoreAttention
     from workloads.model import CoreAttention, Embedding
 
     seq = cfg.model.seq_len
-    backward_bug = bugs.active(spec, "cp_attention_backward_wrong")
+    backward_bug = bugs.active(cfg.bug, "cp_attention_backward_wrong")
     for name, module in list(model.named_modules()):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -207,9 +208,9 @@ def apply(model: nn.Module, ps: ParallelState, cfg: Any, spec: Any) -> None:
             setattr(parent, attr, CPCoreAttention(module.head_dim, ps, seq, backward_bug))
         elif isinstance(module, Embedding):
             module.register_buffer("positions", positions(ps, seq), persistent=False)
-        elif isinstance(module, GQACoreAttention):
+        elif callable(getattr(module, "enable_cp", None)):
             module.enable_cp(ps, seq, backward_bug=backward_bug,
-                             rope_bug=bugs.active(spec, "cp_rope_offset_wrong"))
+                             rope_bug=bugs.active(cfg.bug, "cp_rope_offset_wrong"))
         elif isinstance(module, TokenLoss) and not isinstance(module, CPTokenLoss):
-            loss_bug = bugs.active(spec, "cp_loss_scaling_wrong")
+            loss_bug = bugs.active(cfg.bug, "cp_loss_scaling_wrong")
             setattr(parent, attr, CPTokenLoss(ps, cfg.model.vocab, seq, loss_bug))

@@ -11,7 +11,6 @@ Groups are created on every rank in the same order (dist.new_group is collective
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,36 +71,36 @@ def _marked(model: nn.Module, attr: str) -> list[torch.Tensor]:
     return [g for p in model.parameters() if getattr(p, attr, False) and (g := precision.grad(p)) is not None]
 
 
-def reduce_kv_replicas(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any]) -> None:
-    if bugs.active(spec, "kv_head_grad_unreduced"):
+def reduce_kv_replicas(model: nn.Module, groups: SharedGroups, bug: str) -> None:
+    if bugs.active(bug, "kv_head_grad_unreduced"):
         return   # BUG kv_head_grad_unreduced: each KV copy keeps the grad of its own query heads only.
     all_reduce_coalesced(_marked(model, "kv_replicated"), groups.kv_replicas)
 
 
-def reduce_tied_embedding(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any]) -> None:
-    if bugs.active(spec, "tied_embedding_grad_lost_pp"):
+def reduce_tied_embedding(model: nn.Module, groups: SharedGroups, bug: str) -> None:
+    if bugs.active(bug, "tied_embedding_grad_lost_pp"):
         return   # BUG tied_embedding_grad_lost_pp: each stage steps its copy with half of the grad.
     all_reduce_coalesced(_marked(model, "shared_embedding"), groups.embedding)
 
 
 def reduce_experts(model: nn.Module, groups: SharedGroups, ps: ParallelState,
-                   spec: Mapping[str, Any]) -> None:
+                   bug: str) -> None:
     """Expert grads (skipped by the dense DP average): summed over the expert-data-parallel group and
     divided by the full DP size (each expert already saw its whole EP group's tokens)."""
     grads = _marked(model, "expert")
     if not grads or groups.experts is None:
         return
     # BUG expert_tp_grad_wrong_group: expert grads synchronized over the TP group instead of EDP.
-    group = ps.tp_group if bugs.active(spec, "expert_tp_grad_wrong_group") else groups.experts.edp
+    group = ps.tp_group if bugs.active(bug, "expert_tp_grad_wrong_group") else groups.experts.edp
     all_reduce_coalesced(grads, group)
     # BUG expert_grad_scaling_wrong: divided by the EDP size instead of the DP size.
-    div = ps.sizes["edp"] if bugs.active(spec, "expert_grad_scaling_wrong") else ps.dp_size
+    div = ps.sizes["edp"] if bugs.active(bug, "expert_grad_scaling_wrong") else ps.dp_size
     for g in grads:
         g.div_(div)
 
 
 def expert_norm_sq(params: list[nn.Parameter], ps: ParallelState, groups: SharedGroups,
-                   spec: Mapping[str, Any]) -> torch.Tensor:
+                   bug: str) -> torch.Tensor:
     """Squared norm of this rank's expert grads, summed over the EP group (each EP rank holds other
     experts); TP-replicated expert params count on tp rank 0. The caller sums over TP/PP."""
     sq = torch.zeros((), dtype=torch.float32)
@@ -112,7 +111,7 @@ def expert_norm_sq(params: list[nn.Parameter], ps: ParallelState, groups: Shared
             sq = sq + g.float().pow(2).sum()
     ep = None if groups.experts is None else groups.experts.ep
     # BUG grad_norm_wrong_group: the expert norm is reduced over the EDP group instead of EP.
-    if bugs.active(spec, "grad_norm_wrong_group") and groups.experts is not None:
+    if bugs.active(bug, "grad_norm_wrong_group") and groups.experts is not None:
         ep = groups.experts.edp
     if ep is not None and dist.get_world_size(ep) > 1:
         dist.all_reduce(sq, group=ep)
@@ -125,11 +124,11 @@ def reduce_context_parallel(model: nn.Module, ps: ParallelState) -> None:
     all_reduce_coalesced([g for p in model.parameters() if (g := precision.grad(p)) is not None], ps.cp_group)
 
 
-def reduce_shared(model: nn.Module, groups: SharedGroups, spec: Mapping[str, Any], *,
+def reduce_shared(model: nn.Module, groups: SharedGroups, bug: str, *,
                   tied: bool = True, ps: ParallelState | None = None) -> None:
     if ps is not None:
         reduce_context_parallel(model, ps)
-        reduce_experts(model, groups, ps, spec)
-    reduce_kv_replicas(model, groups, spec)
+        reduce_experts(model, groups, ps, bug)
+    reduce_kv_replicas(model, groups, bug)
     if tied:
-        reduce_tied_embedding(model, groups, spec)
+        reduce_tied_embedding(model, groups, bug)

@@ -71,19 +71,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    """Concatenate last-dim shards; backward keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _split(g, -1, ctx.group), None
-
-
 class _ScatterToSP(torch.autograd.Function):
     """Replicated -> sequence-sharded: keep this rank's sequence chunk; backward all-gathers."""
 
@@ -98,17 +85,21 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """Sequence-sharded -> full sequence (entering a column-parallel linear). The consumers are
-    TP-parallel, so each rank's grad is a partial sum: backward reduce-scatters."""
+    """Sequence-sharded -> full sequence. Entering a column-parallel linear the consumers are
+    TP-parallel, so each rank's grad is a partial sum: backward reduce-scatters. Consumers that
+    compute the same thing on every rank (MoE experts' inputs and gates) pass
+    `tensor_parallel_output_grad=False`: backward keeps this rank's chunk (megatron-core's flag)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.partial = group, tensor_parallel_output_grad
         return _gather(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce_scatter(g, SEQ_DIM, ctx.group), None
+        if ctx.partial:
+            return _reduce_scatter(g, SEQ_DIM, ctx.group), None, None
+        return _split(g, SEQ_DIM, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -132,16 +123,13 @@ def reduce_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> t
     return _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group)
-
-
 def scatter_to_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _ScatterToSP.apply(x, group)
 
 
-def gather_from_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return _GatherFromSP.apply(x, group)
+def gather_from_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None,
+                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

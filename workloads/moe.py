@@ -23,6 +23,7 @@ from torch import nn
 
 from workloads.config import Config
 from workloads.layers import ColumnParallelLinear, RowParallelLinear
+from workloads.mappings import gather_from_sp_region
 from workloads.parallel_state import ParallelState, rank_of
 
 Group = dist.ProcessGroup | None
@@ -159,23 +160,6 @@ class _AuxLossScaler(torch.autograd.Function):
         return g, torch.full_like(aux, ctx.scale), None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Sequence-sharded [b, s/tp, ...] -> full sequence on every TP rank, for consumers that compute
-    the same thing on every rank (the experts' inputs and gates): backward keeps this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, g):
-        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return g.chunk(n, dim=1)[r].contiguous(), None
-
-
 class MoE(nn.Module):
     """Under SP (Megatron requires it for MoE with TP) the router sees this rank's sequence chunk (its
     weight grad is then partial over TP: marked sequence_parallel, all-reduced in finalize_grads);
@@ -214,7 +198,9 @@ class MoE(nn.Module):
             counts, prob_sum = reduce_from_tp_region(counts, self.tp_group), reduce_from_tp_region(
                 prob_sum, self.tp_group)
             n_tok *= dist.get_world_size(self.tp_group)
-            x, gates = _GatherSequence.apply(x, self.tp_group), _GatherSequence.apply(gates, self.tp_group)
+            # the experts compute the same tokens on every TP rank: backward keeps this rank's chunk
+            x = gather_from_sp_region(x, self.tp_group, tensor_parallel_output_grad=False)
+            gates = gather_from_sp_region(gates, self.tp_group, tensor_parallel_output_grad=False)
             parts = [torch.empty_like(idx) for _ in range(dist.get_world_size(self.tp_group))]
             dist.all_gather(parts, idx.contiguous(), group=self.tp_group)
             idx = torch.cat(parts, dim=1)

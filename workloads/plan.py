@@ -10,7 +10,7 @@ from __future__ import annotations
 from tracer import Layout, ModuleLayout, Replicate, Shard
 
 
-def tracing_plan(sp: bool) -> dict[str, ModuleLayout]:
+def gpt_plan(sp: bool) -> dict[str, ModuleLayout]:
     """Module-name pattern (`*` = one path component) -> output and parameter layouts."""
     seq = Shard(1, "tp") if sp else Replicate()    # LayerNorm regions: sequence-sharded under SP
     col = {"weight": Shard(0, "tp"), "bias": Shard(0, "tp")}   # output features split over TP
@@ -82,4 +82,4 @@ def plan_for(model_cfg, sp: bool) -> dict[str, ModuleLayout]:  # noqa: ANN001 - 
         return moe_plan(sp, model_cfg.tie_embeddings)
     if model_cfg.arch == "llama":
         return llama_plan(sp, model_cfg.tie_embeddings)
-    return tracing_plan(sp)
+    return gpt_plan(sp)

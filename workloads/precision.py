@@ -46,13 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracer.errors import ConfigError
-from tracer.generator import step_ulp
+from workloads.rounding_draws import ROUNDING_FLIP, RoundingDraw, perturbed_linear
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 PERTURBATIONS = ("weights", "gemm")
-# P(a GEMM result moves one ulp) in a gemm draw; bf16: P(a value re-rounded from a moved FP32
-# accumulator lands one ulp away).
-ROUNDING_FLIP = {"fp32": 0.25, "bf16": 0.25, "fp8": 1.0}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 Group = dist.ProcessGroup | None
@@ -182,40 +179,6 @@ def fp8_linear(scaling: FP8Scaling) -> Callable[..., torch.Tensor]:
     def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return _FP8Linear.apply(x, w, b, scaling)
     return linear
-
-
-# -- rounding draws on GEMM results (perturbation=gemm) ---------------------------------------------
-class RoundingDraw:
-    """Moves each element one ulp of its dtype with probability `flip`, up or down (seeded)."""
-
-    def __init__(self, seed: int, flip: float):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.flip = flip
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        moved = step_ulp(t, torch.randint(0, 2, t.shape, generator=self.gen).bool())
-        if self.flip >= 1:   # every element (no second draw: the fp8 draws of before 2026-11-24)
-            return moved
-        return torch.where(torch.rand(t.shape, generator=self.gen) < self.flip, moved, t)
-
-
-class _PerturbGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, noise):
-        ctx.noise = noise
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.noise(g), None
-
-
-def perturbed_linear(linear: Callable[..., torch.Tensor], noise: RoundingDraw) -> Callable[..., torch.Tensor]:
-    """`linear` whose output (forward) and input grad (backward) are each drawn again (RoundingDraw)."""
-    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        y = linear(_PerturbGrad.apply(x, noise), w, b)
-        return y + (noise(y.detach()) - y.detach())
-    return f
 
 
 # -- model, grads, optimizer -------------------------------------------------------------------------

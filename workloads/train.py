@@ -14,15 +14,15 @@ from torch import nn
 
 from tracer.job import Session
 from workloads import bugs, context_parallel, faults, grad_sync, harness, precision, zero
-from workloads.config import validate
+from workloads.config import Config, validate
 from workloads.parallel_state import ParallelState, initialize
 from workloads.schedule import no_pipelining, one_f_one_b
-from workloads.variants import build_stage, renaming
+from workloads.stages import build_stage, renaming
 from workloads.vpp import interleaved_1f1b
 
 
 # -- grad finalization, clipping -----------------------------------------------------------------
-def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any]) -> None:
+def finalize_grads(model: nn.Module, ps: ParallelState, cfg: Config) -> None:
     """The grads the optimizer sees: DP average, then TP all-reduce of sequence-parallel grads
     (megatron-core finalize_model_grads order)."""
     # Expert grads (MoE) are reduced over their own group in grad_sync.reduce_experts.
@@ -30,7 +30,7 @@ def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any])
              if (g := precision.grad(p)) is not None and not getattr(p, "expert", False)]
     if ps.dp_size > 1:
         grad_sync.all_reduce_coalesced(grads, ps.dp_group)
-        if not bugs.active(spec, "dp_grad_not_averaged"):
+        if not bugs.active(cfg.bug, "dp_grad_not_averaged"):
             for g in grads:
                 g.div_(ps.dp_size)
         # BUG dp_grad_not_averaged: the division above is skipped, grads are dp times too large.
@@ -40,14 +40,14 @@ def finalize_grads(model: nn.Module, ps: ParallelState, spec: Mapping[str, Any])
         for p in module.parameters(recurse=False):
             if precision.grad(p) is None or not getattr(p, "sequence_parallel", False):
                 continue
-            if isinstance(module, nn.LayerNorm) and bugs.active(spec, "sp_layernorm_grad_unreduced"):
+            if isinstance(module, nn.LayerNorm) and bugs.active(cfg.bug, "sp_layernorm_grad_unreduced"):
                 continue   # BUG sp_layernorm_grad_unreduced: each TP rank keeps its partial LN grad.
             sp_grads.append(precision.grad(p))
     grad_sync.all_reduce_coalesced(sp_grads, ps.tp_group)
     # Copies of one logical tensor on several model-parallel ranks: GQA KV heads, tied embeddings.
-    distopt_tie_bug = bool((spec.get("parallel") or {}).get("zero1")) and bugs.active(
-        spec, "tied_embedding_grad_distopt")   # the buggy distributed optimizer syncs it too late
-    grad_sync.reduce_shared(model, model.shared_groups, spec, tied=not distopt_tie_bug, ps=ps)
+    distopt_tie_bug = cfg.parallel.zero1 and bugs.active(
+        cfg.bug, "tied_embedding_grad_distopt")   # the buggy distributed optimizer syncs it too late
+    grad_sync.reduce_shared(model, model.shared_groups, cfg.bug, tied=not distopt_tie_bug, ps=ps)
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], ps: ParallelState, max_norm: float, *,
@@ -86,7 +86,7 @@ def main(session: Session | None = None) -> dict[str, Any]:
 def train(job: harness.RankJob) -> list[float]:
     cfg, spec, tr, device = job.cfg, job.spec, job.session, job.device
     ps = initialize(cfg.parallel, job.rank, job.world_size)
-    model, plan = build_stage(cfg, ps, spec)   # gpt or llama stage, and its plan
+    model, plan = build_stage(cfg, ps)   # gpt or llama stage, and its plan
     recipe = precision.from_spec(spec)
     model.to(recipe.param_dtype)   # BF16 parameters for bf16/fp8 recipes (no-op for fp32)
     rename = renaming(model)       # the tracer's renaming (PP offset or VPP table): one rule for both
@@ -96,7 +96,7 @@ def train(job: harness.RankJob) -> list[float]:
     # Perturbed references: one ulp of every weight (tr.attach), or rounding draws on every GEMM result.
     moves = recipe.perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
     precision.apply(model, recipe, ps.tp_cp_group, ps.dp_group,
-                    amax_unreduced=bugs.active(spec, "fp8_amax_unreduced"),
+                    amax_unreduced=bugs.active(cfg.bug, "fp8_amax_unreduced"),
                     gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None)
     tr.attach(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes, perturb=moves == "weights",
               meta={"pp_stage": ps.pp_rank})
@@ -104,17 +104,17 @@ def train(job: harness.RankJob) -> list[float]:
     optimizer = precision.optimizer(model, recipe, lambda params: torch.optim.Adam(
         params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False))
     if cfg.parallel.zero1:
-        optimizer = zero.DistributedOptimizer(model, plan, ps, cfg, spec)
+        optimizer = zero.DistributedOptimizer(model, plan, ps, cfg)
     seq_local = cfg.model.seq_len // ps.cp_size   # context parallelism: this rank's zigzag chunks
     seq_local = seq_local // ps.tp_size if cfg.parallel.sp else seq_local
     act_shape = (cfg.micro_batch, seq_local, cfg.model.hidden)
 
     step_losses: list[float] = []
-    scale_loss = not bugs.active(spec, "grad_accum_not_scaled")
+    scale_loss = not bugs.active(cfg.bug, "grad_accum_not_scaled")
     for step in range(cfg.steps):
         with tr.step(step):
             optimizer.zero_grad(set_to_none=True)
-            mbs = context_parallel.localize(job.microbatches(step, ps.coords["dp"], ps.dp_size), ps)
+            mbs = context_parallel.local_chunks(job.microbatches(step, ps.coords["dp"], ps.dp_size), ps)
             if ps.pp_size == 1:
                 losses = no_pipelining(model, mbs, tr, scale_loss=scale_loss)
             elif cfg.parallel.vpp > 1:
@@ -123,13 +123,13 @@ def train(job: harness.RankJob) -> list[float]:
                 losses = one_f_one_b(model, mbs, tr, ps, act_shape, device, scale_loss=scale_loss)
             faults.maybe_inject(spec, job.rank, step, model)
             precision.end_step(model)
-            finalize_grads(model, ps, spec)
+            finalize_grads(model, ps, cfg)
             if cfg.parallel.zero1:   # traces its grad shards, clips, steps its shards, all-gathers
                 optimizer.step(tr)
             else:
                 tr.record_param_grads(model)
                 clip_grad_norm(model.parameters(), ps, cfg.clip_grad, expert_sq=lambda params: (
-                    grad_sync.expert_norm_sq(params, ps, model.shared_groups, spec)))
+                    grad_sync.expert_norm_sq(params, ps, model.shared_groups, cfg.bug)))
                 optimizer.step()
             tr.record_params(model)
         if ps.is_last_stage:

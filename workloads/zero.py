@@ -30,9 +30,8 @@ def shard_layout(layout: Layout) -> Layout:
 
 
 class DistributedOptimizer:
-    def __init__(self, model: nn.Module, plan: Mapping[str, Any], ps: ParallelState, cfg: Config,
-                 spec: Mapping[str, Any]):
-        self.model, self.ps, self.cfg, self.spec = model, ps, cfg, spec
+    def __init__(self, model: nn.Module, plan: Mapping[str, Any], ps: ParallelState, cfg: Config):
+        self.model, self.ps, self.cfg = model, ps, cfg
         self.dp, self.dp_rank = ps.dp_size, ps.coords["dp"]
         layouts = param_layouts(model, plan)
         self.named = list(model.named_parameters())
@@ -75,10 +74,10 @@ class DistributedOptimizer:
     def step(self, tracer: Any) -> None:
         """Take the grad shards (finalize_grads already reduced them), trace, clip, Adam, all-gather."""
         shards = [self._mine(precision.grad(p)).clone() for _, p in self.named]
-        if bugs.active(self.spec, "tied_embedding_grad_distopt"):
+        if bugs.active(self.cfg.bug, "tied_embedding_grad_distopt"):
             # BUG tied_embedding_grad_distopt: the embedding-group all-reduce runs on the full grad
             # buffer after the optimizer has taken its shards; the shards never see the other stage.
-            grad_sync.reduce_tied_embedding(self.model, self.model.shared_groups, self.spec)
+            grad_sync.reduce_tied_embedding(self.model, self.model.shared_groups, self.cfg.bug)
         tracer.record_param_grad_shards({name: (g, self.layouts[name])
                                          for (name, _), g in zip(self.named, shards, strict=True)})
         coef = self._clip_coef(shards)
@@ -88,6 +87,6 @@ class DistributedOptimizer:
         for (_, p), m in zip(self.named, self.master, strict=True):
             parts = [torch.empty_like(m) for _ in range(self.dp)]
             dist.all_gather(parts, m.detach().contiguous(), group=self.ps.dp_group)
-            if bugs.active(self.spec, "zero1_gather_offset_wrong"):
+            if bugs.active(self.cfg.bug, "zero1_gather_offset_wrong"):
                 parts = parts[1:] + parts[:1]   # BUG zero1_gather_offset_wrong: shard i lands at offset i-1
             p.copy_(torch.cat(parts, dim=0))

@@ -11,7 +11,9 @@ from torch import nn
 
 from tracer import ModuleLayout, Shard
 from tracer.errors import ConfigError
-from tracer.job import JobConfig, Session, init_parameters, perturb_parameters
+from tracer.job import Session
+from tracer.job_config import JobConfig
+from tracer.parameters import init_parameters, perturb_parameters
 from tracer.plan import param_layouts
 
 

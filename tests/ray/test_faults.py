@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from orchestrator.cli import report_paths
 from orchestrator.cluster import rank_worker_pids
+from orchestrator.console import report_paths
 
 SMALL = ["parallel=tp2", "model.layers=2", "tolerance.perturbations=2"]
 
@@ -83,7 +83,7 @@ def test_two_sweeps_on_one_store_both_get_correct_verdicts(ray_cluster, workdir)
 
 _FIRST_LOG = """
 import sys, time
-from orchestrator import tracking
+from orchestrator.report import tracking
 import mlflow  # noqa: F401 - imported before the start line, so all processes connect together
 time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
 client, exp = tracking._client({"uri": "sqlite:///mlflow.db", "experiment": "ttrace"}, sys.argv[2])
@@ -93,7 +93,7 @@ print(exp)
 
 def test_processes_creating_one_mlflow_database_at_once_all_log(tmp_path):
     """Three checks' first MLflow calls on a fresh sqlite database at the same moment: without the
-    lock in orchestrator.tracking, their schema migrations collide ("table experiments already
+    lock in orchestrator.report.tracking, their schema migrations collide ("table experiments already
     exists", "duplicate column name: step") and the losers' runs are lost (seen in the two-sweeps
     test). All must succeed, in one experiment."""
     start = time.time() + 8.0

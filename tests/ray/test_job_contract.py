@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import report_paths
+from orchestrator.console import report_paths
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TTRACE = str(Path(sys.executable).parent / "ttrace")

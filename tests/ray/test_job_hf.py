@@ -1,7 +1,7 @@
 """job=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
 (DistributedConfig(tp_size=2), real library code on CPU/gloo) against the same model in one process.
 Param layouts come from its DTensor placements, output layouts from its TP styles
-(tracer/frameworks/hf.py). Clean tp2 passes; a K/V plan that leaves input grads unreduced exits 1."""
+(tracer/integrations/hf.py). Clean tp2 passes; a K/V plan that leaves input grads unreduced exits 1."""
 
 import pytest
 
@@ -12,7 +12,7 @@ def test_tp_style_layouts():
     """The layouts read from transformers' TP styles for the outputs it hands out as local tensors."""
     from torch import nn
 
-    from tracer.frameworks.hf import tp_local_layouts
+    from tracer.integrations.hf import tp_local_layouts
     from tracer.layouts import Layout
 
     class Fake(nn.Module):

@@ -37,10 +37,10 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
     from megatron.core import parallel_state as mps
 
     from tracer import param_layouts
-    from tracer.frameworks.megatron_core import layer_renaming, plan_for
-    from tracer.job import init_parameters
-    from workloads.frameworks import megatron_core as adapter
-    from workloads.frameworks import megatron_shims
+    from tracer.integrations.megatron_core import layer_renaming, plan_for
+    from tracer.parameters import init_parameters
+    from workloads.adapters import megatron_core as adapter
+    from workloads.adapters import megatron_shims
 
     megatron_shims.install()
     torch.set_num_threads(1)

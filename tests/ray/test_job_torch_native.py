@@ -1,5 +1,5 @@
 """job=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module) traced
-with layouts read from DTensor placements (tracer/frameworks/dtensor.py, no plan). Unit tests of the
+with layouts read from DTensor placements (tracer/integrations/dtensor.py, no plan). Unit tests of the
 placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp passes, the injected wrong
 placement plan exits 1 at the K/V projection it breaks."""
 
@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tracer.frameworks.dtensor import placements_to_layout
+from tracer.integrations.dtensor import placements_to_layout
 from tracer.layouts import Layout, Piece, assemble
 
 
@@ -46,7 +46,7 @@ def test_layout_slices_and_reassembles_like_dtensor_sharding():
 def test_validate_names_what_is_unsupported():
     from orchestrator.recipe import compose, job_spec
     from tracer.errors import ConfigError
-    from workloads.frameworks import torch_native
+    from workloads.adapters import torch_native
 
     rec = compose(["job=torch_native", "parallel=tp2_sp"])
     assert rec["model"]["name"] == "llama_tiny"   # the job option's default model

@@ -44,6 +44,12 @@ def test_sweep_computes_each_distinct_reference_once_and_reuses_the_cache(ray_cl
     proc = cli(workdir, ray_cluster, "-m", "parallel=tp2,tp2_sp,dp2", "seed=1,2", *small)
     reps = reports_of(proc)
     assert len(reps) == 6
+    # ttrace's Hydra launcher set each job up the Hydra way (its own directory, .hydra/ configs) and
+    # ran the six as one batch (the shared references below).
+    for r in reps:
+        job_dir = (workdir / r["_path"]).parent
+        assert (job_dir / ".hydra" / "overrides.yaml").exists()
+        assert (job_dir / ".hydra" / "config.yaml").exists()
     # Six clean checks: every one passes (an exit code equal to the worst verdict would hide a false FAIL).
     assert proc.returncode == 0, [(r.get("error"), r.get("first_divergence")) for r in reps]
     assert all(r["verdict"] == "pass" for r in reps), [r.get("first_divergence") for r in reps]

@@ -117,7 +117,8 @@ def run_in_process(spec: dict, rank: int, port: int, recorder: type) -> tuple[di
     session whose tracer records into memory; returns (what main returned, the recorder)."""
     import os
 
-    from tracer.job import JobConfig, Session
+    from tracer.job import Session
+    from tracer.job_config import JobConfig
     from workloads.train import main
 
     world = spec["parallel"]["world_size"]

@@ -9,7 +9,8 @@ from torch import nn
 
 from tracer import ModuleLayout, Tracer, perturb_ulp
 from tracer.compare import compare
-from tracer.isolation import ReferenceFeed, localize
+from tracer.feed import ReferenceFeed
+from tracer.isolation import name_culprit
 from tracer.layouts import Layout
 from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
@@ -92,7 +93,7 @@ def test_cascade_is_reduced_to_the_module_at_fault(traces):
     # its weight grad and the grad it hands to its input (recorded as l0's grad_output).
     assert {r.name for r in isolated.results if not r.ok} == {
         "0/0/l1/output", "0/-/l1.weight/param_grad", "0/0/l0/grad_output"}
-    loc = localize(normal, isolated)
+    loc = name_culprit(normal, isolated)
     assert loc["culprit"]["module"] == "l1" and loc["culprit"]["kind"] == "output"
     assert loc["culprit"]["resolved"]
     assert loc["blame_window"] == {"size": 1, "modules": ["l1"]}

@@ -5,9 +5,18 @@ import math
 import pytest
 import torch
 
-from tracer.compare import cosine, max_err, reference_norm, rel_err
-from tracer.measure import BLOCK, TensorKey, measure
-from tracer.tolerance import elem_err, elem_noise, noise_scale, projection
+from tracer.blocks import BLOCK
+from tracer.measure import TensorKey, measure
+from tracer.tolerance import (
+    cosine,
+    elem_err,
+    elem_noise,
+    max_err,
+    noise_scale,
+    projection,
+    reference_norm,
+    rel_err,
+)
 
 K_ELEM = 6.0
 U = 2.0**-24

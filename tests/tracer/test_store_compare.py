@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from tracer import ModuleLayout, Shard, Tracer
-from tracer.compare import compare, cosine, max_err, rel_err
+from tracer.compare import compare
 from tracer.errors import TraceError
 from tracer.logical import load_logical
 from tracer.store import READ_THREADS
-from tracer.tolerance import TolerancePolicy
+from tracer.tolerance import TolerancePolicy, cosine, max_err, rel_err
 
 PLAN = {"fc": ModuleLayout(output=Shard(-1, "tp"), params={"weight": Shard(0, "tp")}), "out": ModuleLayout()}
 

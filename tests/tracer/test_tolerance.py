@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from tracer import perturb_ulp
-from tracer.compare import rel_err
 from tracer.tolerance import (
     TolerancePolicy,
     compute_roundoff,
     elem_err,
     elem_noise,
     noise_scale,
+    rel_err,
     unit_roundoff,
 )
 

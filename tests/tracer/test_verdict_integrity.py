@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.compare import Comparison, TensorResult, compare, tensor_keys
-from tracer.isolation import localize
+from tracer.compare import compare, tensor_keys
+from tracer.isolation import name_culprit
 from tracer.logical import load_logical
 from tracer.measure import measure
 from tracer.tolerance import TolerancePolicy
+from tracer.verdicts import Comparison, TensorResult
 
 
 def _runs(tmp_path: Path) -> tuple:
@@ -93,10 +94,10 @@ def test_the_culprit_is_the_first_module_beyond_tolerance_on_its_own_and_the_ori
     names = ["a", "b", "c", "d"]
     normal = [_result(i, m, ok=(m == "a")) for i, m in enumerate(names)]
     isolated = [_result(i, m, ok=m in ("a", "d")) for i, m in enumerate(names)]
-    loc = localize(Comparison("fail", normal, normal[1]), Comparison("fail", isolated, isolated[1]))
+    loc = name_culprit(Comparison("fail", normal, normal[1]), Comparison("fail", isolated, isolated[1]))
     assert loc["culprit"]["module"] == "b" and loc["origin"] == "local"
     assert loc["blame_window"]["modules"] == ["b"]
-    loc = localize(Comparison("fail", normal, normal[3]), Comparison("fail", isolated, isolated[1]))
+    loc = name_culprit(Comparison("fail", normal, normal[3]), Comparison("fail", isolated, isolated[1]))
     assert loc["culprit"]["module"] == "b" and loc["blame_window"]["modules"] == ["b", "c"]
     assert loc["origin"] == "inherited"
 

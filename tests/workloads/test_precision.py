@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tracer.errors import ConfigError
-from workloads import precision
+from workloads import precision, rounding_draws
 from workloads.precision import E4M3, E5M2, FP8Scaling, Precision, bf16_linear, dequantize, quantize
 
 G = lambda s: torch.Generator().manual_seed(s)
@@ -105,7 +105,8 @@ def test_mixed_precision_perturbed_references_draw_gemm_roundings_not_weights():
     assert Precision("bf16").perturbation("weights") == "weights"
     with pytest.raises(ConfigError, match="auto, weights or gemm"):
         Precision("bf16").perturbation("gemms")
-    lin = precision.perturbed_linear(bf16_linear, precision.RoundingDraw(1, precision.ROUNDING_FLIP["bf16"]))
+    draw = rounding_draws.RoundingDraw(1, rounding_draws.ROUNDING_FLIP["bf16"])
+    lin = rounding_draws.perturbed_linear(bf16_linear, draw)
     x = torch.randn(16, 64, generator=G(10)).bfloat16().requires_grad_()
     w = torch.randn(256, 64, generator=G(11)).bfloat16()
     y, y0 = lin(x, w), bf16_linear(x, w)
@@ -117,5 +118,5 @@ def test_mixed_precision_perturbed_references_draw_gemm_roundings_not_weights():
     g0 = (torch.ones(16, 256) @ w.float()).bfloat16()
     assert (one_ulp(x.grad, g0) | (x.grad == g0)).all()
     assert 0.2 < one_ulp(x.grad, g0).float().mean().item() < 0.3
-    every = precision.RoundingDraw(1, precision.ROUNDING_FLIP["fp8"])
+    every = rounding_draws.RoundingDraw(1, rounding_draws.ROUNDING_FLIP["fp8"])
     assert one_ulp(every(y0), y0).all()

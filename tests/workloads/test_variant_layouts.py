@@ -105,15 +105,15 @@ def test_zigzag_sequence_layout_by_hand_and_nested_with_tp():
 
 def test_zigzag_matches_the_workload_token_split():
     from workloads.context_parallel import with_cp, zigzag_index
-    from workloads.plan import tracing_plan
+    from workloads.plan import gpt_plan
 
     assert zigzag_index(12, 3, 1).tolist() == [2, 3, 8, 9]
-    lay = with_cp(tracing_plan(sp=False))["layers.*.attn.qkv"].output
+    lay = with_cp(gpt_plan(sp=False))["layers.*.attn.qkv"].output
     sizes = {"cp": 3, "tp": 1}
     full = torch.randn(2, 12, 6)
     for c in range(3):
         assert torch.equal(lay.local(full, {"cp": c, "tp": 0}, sizes), full[:, zigzag_index(12, 3, c)])
-    assert with_cp(tracing_plan(sp=False))["loss"].output == Replicate()   # gathered over CP
+    assert with_cp(gpt_plan(sp=False))["loss"].output == Replicate()   # gathered over CP
 
 
 def test_expert_renaming_gives_global_expert_numbers_after_pipeline_renaming():

@@ -25,10 +25,19 @@ def main(argv: list[str]) -> int:
             print(f"{field:>10}: {getattr(bug, field)}")
         print(f"\n  run it:  ttrace {' '.join(shlex.quote(o) for o in bug.recipe)} bug={bug.name}")
         return 0
-    table = Table(title=f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)")
-    for col in ("#", "bug", "trigger recipe", "must localize at", "mechanism"):
+    title = f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)"
+    columns = ("#", "bug", "trigger recipe", "must localize at", "mechanism")
+    rows = [(str(b.bugs_md or "-"), b.name, " ".join(b.recipe), b.expect, b.mechanism)
+            for b in sorted(CATALOG.values(), key=lambda b: (b.job != "builtin", b.bugs_md, b.name))]
+    if not sys.stdout.isatty():   # a pipe or a file: one tab-separated line per bug, never wrapped
+        print("\t".join(columns))
+        for row in rows:
+            print("\t".join(row))
+        return 0
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, overflow="fold")
-    for b in sorted(CATALOG.values(), key=lambda b: (b.job != "builtin", b.bugs_md, b.name)):
-        table.add_row(str(b.bugs_md or "-"), b.name, " ".join(b.recipe), b.expect, b.mechanism)
+    for row in rows:
+        table.add_row(*row)
     Console().print(table)
     return 0

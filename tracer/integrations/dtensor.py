@@ -140,7 +140,7 @@ class DTensorTracer(Tracer):
 
         `local_layouts(module name, module)` may give (output, grad_output) layouts for modules whose
         framework hands out plain local tensors after stripping the DTensor (e.g. Hugging Face's TP
-        styles, `tracer.frameworks.hf`); other plain tensors are taken as replicated."""
+        styles, `tracer.integrations.hf`); other plain tensors are taken as replicated."""
         if not self.enabled:
             return
         self._local_layouts = local_layouts or (lambda name, module: None)
@@ -221,7 +221,7 @@ def _like(local: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _substitute(feed: Any, out: torch.Tensor, name: str, layout: Layout) -> torch.Tensor:
     """Isolation pass: the reference's value of `out` (this rank's summand), gradients passing
     through to the computed `out`; `out` itself where its layout does not fit the reference."""
-    from tracer.isolation import _Substitute
+    from tracer.feed import _Substitute
 
     local = feed.local(name, layout, local_of(out))
     if local is None:

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from tracer import Replicate
+from tracer import Replicate, param_layouts
 from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness
-from workloads.frameworks import megatron_shims
+from workloads.adapters import megatron_shims
 
 NAME = "megatron_core"
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
@@ -187,7 +188,7 @@ def _train(job: harness.RankJob) -> list[float]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tracer.frameworks.megatron_core import layer_renaming, plan_for, tensor_parallel_attrs
+    from tracer.integrations.megatron_core import layer_renaming, plan_for
 
     spec, cfg, tracer = job.spec, job.cfg, job.session
     p = spec["parallel"]
@@ -255,3 +256,15 @@ def _train(job: harness.RankJob) -> list[float]:
             if last:
                 step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
     return step_losses
+
+
+def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Set megatron's `tensor_model_parallel` / `partition_dim` param attributes from the plan (they
+    are only set by megatron's own weight init, which a consistently initialized model skips); its
+    grad-norm (`param_is_not_tensor_parallel_duplicate`) reads them."""
+    layouts = param_layouts(model, plan)
+    for name, p in model.named_parameters():
+        shard = layouts[name].shard
+        p.tensor_model_parallel = bool(shard)
+        p.partition_dim = shard[0][0] if shard else -1
+        p.partition_stride = 1

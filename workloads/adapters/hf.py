@@ -14,8 +14,8 @@ replicated K/V projection fed by a replicated input. Its `replicated_with_grad_a
 the weight grads but not the input grads (measured: the step-1 loss moves by 5e-5 at tp=2 with one
 KV head); that plan is the injected bug `hf_gqa_kv_replicated_plan`.
 
-Tracing: `tracer.frameworks.dtensor.DTensorTracer` (param layouts from DTensor placements) with
-`tracer.frameworks.hf.tp_local_layouts` for the outputs transformers hands out as plain local
+Tracing: `tracer.integrations.dtensor.DTensorTracer` (param layouts from DTensor placements) with
+`tracer.integrations.hf.tp_local_layouts` for the outputs transformers hands out as plain local
 tensors (read from the TP styles' own output placements).
 """
 
@@ -30,8 +30,8 @@ import torch
 from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
+from workloads.adapters.torch_native import train
 from workloads.config import Config, parse
-from workloads.frameworks.torch_native import train
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 
@@ -56,9 +56,9 @@ def write_checkpoint(cfg: Config, tr: Session, directory: str) -> None:
     model.save_pretrained(directory)   # before the process group exists: transformers saves on rank 0 only
 
 
-def tp_plan(cfg: Config, spec: dict) -> dict[str, str] | None:
+def tp_plan(cfg: Config) -> dict[str, str] | None:
     """Overrides of the model's own TP plan (None: transformers' `base_model_tp_plan` as is)."""
-    if bugs.active(spec, "hf_gqa_kv_replicated_plan"):
+    if bugs.active(cfg.bug, "hf_gqa_kv_replicated_plan"):
         # BUG hf_gqa_kv_replicated_plan: fewer KV heads than TP ranks, so the plan replicates k_proj/v_proj
         # with transformers' "replicated_with_grad_allreduce" style. Their weight grads are summed over
         # TP, but their input grads (each rank: its own query heads' part) are not: the grad reaching
@@ -67,14 +67,14 @@ def tp_plan(cfg: Config, spec: dict) -> dict[str, str] | None:
     return None
 
 
-def load(cfg: Config, spec: dict, directory: str) -> Any:
+def load(cfg: Config, directory: str) -> Any:
     from transformers import LlamaForCausalLM
 
     kw: dict[str, Any] = {"attn_implementation": "sdpa", "dtype": torch.float32}
     if cfg.parallel.tp > 1:
         from transformers.distributed import DistributedConfig
 
-        kw["distributed_config"] = DistributedConfig(tp_size=cfg.parallel.tp, tp_plan=tp_plan(cfg, spec))
+        kw["distributed_config"] = DistributedConfig(tp_size=cfg.parallel.tp, tp_plan=tp_plan(cfg))
     model = LlamaForCausalLM.from_pretrained(directory, **kw)
     model.train()
     return model
@@ -111,7 +111,7 @@ def validate(spec: dict) -> None:
 
 def main(session: Session | None = None) -> dict[str, Any]:
     """One rank of the Hugging Face job (an entrypoint of the job contract)."""
-    from tracer.frameworks.hf import tp_local_layouts
+    from tracer.integrations.hf import tp_local_layouts
 
     with harness.rank_job(validate, session, process_group=False) as job:
         cfg, tr = job.cfg, job.session
@@ -119,7 +119,7 @@ def main(session: Session | None = None) -> dict[str, Any]:
         try:
             write_checkpoint(cfg, tr, directory)
             job.init_process_group()           # transformers reads torchrun's variables for its mesh
-            model = load(cfg, job.spec, directory)
+            model = load(cfg, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         tr.attach(model, mesh=getattr(model, "_device_mesh", None), local_layouts=tp_local_layouts(model))

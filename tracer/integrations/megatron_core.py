@@ -15,7 +15,6 @@ reassembles the TP=1 logical tensor with no permutation.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from torch import nn
 
@@ -99,17 +98,3 @@ def layer_renaming(model: nn.Module) -> LayerRenaming:
     prefix, table = next(iter(found.items())) if found else ("", {})
     index = tuple(table[i] for i in range(len(table)))
     return LayerRenaming(index, pattern=rf"^{re.escape(prefix)}layers\.(\d+)")
-
-
-def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
-    """Set megatron's `tensor_model_parallel` / `partition_dim` param attributes from the plan (they
-    are only set by megatron's own weight init, which a consistently initialized model skips); its
-    grad-norm (`param_is_not_tensor_parallel_duplicate`) reads them."""
-    from tracer.plan import param_layouts
-
-    layouts = param_layouts(model, plan)
-    for name, p in model.named_parameters():
-        shard = layouts[name].shard
-        p.tensor_model_parallel = bool(shard)
-        p.partition_dim = shard[0][0] if shard else -1
-        p.partition_stride = 1

@@ -1,5 +1,5 @@
 """job=torch_native: a torchtitan-style Llama parallelized with torch's own APIs, traced with
-layouts read from DTensor placements (tracer/frameworks/dtensor.py), with no tracing plan.
+layouts read from DTensor placements (tracer/integrations/dtensor.py), with no tracing plan.
 
 The model (RMSNorm, RoPE, SwiGLU, GQA, optional tied embeddings; module names as torchtitan's) is
 free of parallelism. `parallelize` applies, like torchtitan's `parallelize_llama`:
@@ -134,7 +134,7 @@ def _replicated_kv_style() -> Any:
     return ReplicatedKV()
 
 
-def parallelize(model: Transformer, mesh: Any, cfg: Config, spec: dict) -> None:
+def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
     """torchtitan's recipe: TP(+SP) plan per block, then FSDP2 per block and at the root."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
@@ -161,7 +161,7 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config, spec: dict) -> None:
         kv_sharded = m.num_kv_heads % tp == 0
         for block in model.layers:
             kv = ColwiseParallel() if kv_sharded else _replicated_kv_style()
-            if not kv_sharded and bugs.active(spec, "tn_gqa_kv_gathered_output"):
+            if not kv_sharded and bugs.active(cfg.bug, "tn_gqa_kv_gathered_output"):
                 # BUG tn_gqa_kv_gathered_output: too few KV heads to shard, so the plan shards wk/wv
                 # column-wise and gathers their output (`output_layouts=Replicate()`). The forward is
                 # right, but `to_local()` then declares each rank's K/V gradient replicated while it only
@@ -284,7 +284,7 @@ def main(session: Session | None = None) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         model = Transformer(cfg)
         tr.init_weights(model)                 # full logical weights, before sharding
-        parallelize(model, mesh, cfg, job.spec)
+        parallelize(model, mesh, cfg)
         tr.attach(model, mesh=mesh)            # layouts from DTensor placements; the role applied
         dp = mesh["dp"]
         return {"losses": train(model, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None)}

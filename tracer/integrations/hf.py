@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from tracer.frameworks.dtensor import LocalLayouts, placements_to_layout
+from tracer.integrations.dtensor import LocalLayouts, placements_to_layout
 from tracer.layouts import Layout
 from tracer.plan import _regex
 

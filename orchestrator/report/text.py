@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from orchestrator.tracking import module_metrics
+from orchestrator.report.tracking import module_metrics
 
 
 def load(target: str, tracking_uri: str) -> dict[str, Any]:
@@ -64,8 +65,6 @@ def render(report: dict[str, Any], console: Console) -> None:
     if fd:
         console.print(f"first divergence: {fd['name']} in module {fd['module']} "
                       f"({fd['module_type'] or fd['kind']}): {fd['reason']}", markup=False)
-        from tracer.isolation import describe
-
         if describe(report):
             console.print(describe(report), markup=False)
     else:
@@ -102,3 +101,16 @@ def main(argv: list[str]) -> int:
         return 2
     render(report, console)
     return 0
+
+
+def describe(report: Mapping[str, Any]) -> str:
+    """One line on the culprit of a report (empty if the isolation pass did not run)."""
+    c, w = report.get("culprit"), report.get("blame_window")
+    if not c or not w:
+        return ""
+    if not c.get("resolved"):
+        return f"culprit unresolved (no module beyond tolerance on its own); blame window {w['size']} modules"
+    why = c.get("reason") or f"rel_err {c['rel_err']:.3g} > tolerance {c['tolerance']:.3g}"
+    return (f"culprit {c['module']} ({c['module_type'] or c['kind']}, {c['kind']} at step {c['step']}): "
+            f"on its own, {why}; the first divergence's error is "
+            f"{report.get('origin', '?')}; blame window {w['size']} module{'s' if w['size'] != 1 else ''}")

@@ -97,7 +97,7 @@ def render(report: dict[str, Any]) -> str:
         headline = (f"FAIL: first divergence <b>{html.escape(fd['name'])}</b> in module "
                     f"<b>{html.escape(fd['module'])}</b> ({html.escape(fd['module_type'] or fd['kind'])}): "
                     f"{html.escape(fd['reason'])}")
-        from tracer.isolation import describe
+        from orchestrator.report.text import describe
 
         if describe(report):
             headline += f'<br><span class="culprit">{html.escape(describe(report))}</span>'

@@ -1,0 +1,106 @@
+"""Where a job's ranks write their stdout and stderr: `<check dir>/logs/<run>/rankNNNNN.log` when the
+rank runs on the driver's node, else a temporary file whose text goes back with the rank's result
+(orchestrator/outcome.py keeps it next to the others)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+TAIL_LINES = 25
+LOG_CAP = 4 << 20     # bytes of a rank's log returned to a driver on another node
+
+
+def log_dir(output_dir: Path, run: str) -> dict[str, Any]:
+    """The job spec's `log` entry: the check directory's logs/<run> (cluster.run_jobs adds the
+    driver's node id: a rank elsewhere sends its text back instead)."""
+    return {"dir": str((output_dir / "logs" / run).resolve())}
+
+
+class RankLog:
+    """A rank's stdout and stderr, written to the check directory when this worker shares the
+    driver's node (else a temporary file whose text goes back with the result), with the last
+    stderr lines kept for error messages."""
+
+    def __init__(self, path: Path, local: bool):
+        self.path, self.local = path, local
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "w", buffering=1)
+        self.lock = threading.Lock()
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def write(self, line: str, stderr: bool) -> None:
+        with self.lock:
+            self.file.write(line)
+            if stderr:
+                self.tail.append(line.rstrip("\n"))
+
+    def tail_text(self) -> str:
+        if not self.tail:   # in-process entrypoints write straight to the file: read its end
+            self.file.flush()
+            lines = self.path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
+        else:
+            lines = list(self.tail)
+        return "\n".join("    " + ln for ln in lines) if lines else "    (no output)"
+
+    def where(self) -> dict[str, str]:
+        self.file.flush()
+        if self.local:
+            return {"path": str(self.path)}
+        data = self.path.read_bytes()
+        return {"text": data[-LOG_CAP:].decode(errors="replace")}
+
+
+@contextlib.contextmanager
+def rank_log(spec: Mapping[str, Any], rank: int) -> Iterator[RankLog]:
+    log = spec.get("log") or {}
+    name = f"rank{rank:05d}.log"
+    here = _node_id()
+    if log.get("dir") and (not log.get("node") or log.get("node") == here):
+        rl = RankLog(Path(log["dir"]) / name, local=True)
+    else:
+        rl = RankLog(Path(tempfile.mkdtemp(prefix="ttrace-log-")) / name, local=False)
+    try:
+        yield rl
+    finally:
+        rl.file.close()
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def pump(stream: Any, log: RankLog, stderr: bool) -> None:
+    for line in stream:
+        log.write(line, stderr)
+
+
+@contextlib.contextmanager
+def output_to(log: RankLog) -> Iterator[None]:
+    """This process's fds 1 and 2 (Python and C output alike) into the rank's log, then back."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(log.file.fileno(), 1)
+    os.dup2(log.file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])

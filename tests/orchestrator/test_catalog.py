@@ -1,0 +1,20 @@
+"""`ttrace bugs` (orchestrator/report/catalog.py)."""
+
+from orchestrator.report.catalog import main
+from workloads.bugs import CATALOG
+
+
+def test_bugs_in_a_pipe_are_one_unwrapped_line_each(capsys):
+    assert main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("\t") == ["#", "bug", "trigger recipe", "must localize at", "mechanism"]
+    assert len(lines) == 1 + len(CATALOG)
+    assert {ln.split("\t")[1] for ln in lines[1:]} == set(CATALOG)
+    assert all(len(ln.split("\t")) == 5 for ln in lines)
+
+
+def test_one_bug_in_full_with_the_command_that_runs_it(capsys):
+    assert main(["dp_grad_not_averaged"]) == 0
+    out = capsys.readouterr().out
+    assert "run it:  ttrace parallel=tp2_dp2 bug=dp_grad_not_averaged" in out
+    assert main(["no_such_bug"]) == 2

@@ -1,0 +1,60 @@
+"""The isolation pass's feed (TTrace's input rewriting): after each traced module's output is
+recorded, the reference's output (this rank's shard of it) is what the rest of the network sees; in
+backward, after a module's grad_output is recorded, the reference's grad_output is what flows into
+the module. Every recorded tensor of that run then carries only the error made between it and the
+previous traced tensor: the module's own (local) error (tracer/isolation.py names the culprit)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.layouts import Layout
+from tracer.logical import LogicalTrace
+
+
+class _Substitute(torch.autograd.Function):
+    """Forward: the reference value (exact bits). Backward: identity into the computed tensor, so the
+    module's parameters still receive their gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, computed: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        return reference.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ReferenceFeed:
+    """The reference run's logical tensors, sliced to one rank's layout on demand."""
+
+    def __init__(self, reference: LogicalTrace, coords: Mapping[str, int], sizes: Mapping[str, int]):
+        self.reference, self.coords, self.sizes = reference, dict(coords), dict(sizes)
+
+    def local(self, name: str, layout: Layout, like: torch.Tensor, *,
+              scale: float = 1.0) -> torch.Tensor | None:
+        """This rank's piece of the reference's `name`, or None when the layout does not cut the
+        reference to `like`'s shape: the module's layout is wrong (the comparison reports it as a
+        shape verdict), and the module hands on its own tensor."""
+        got = self.reference.tensors.get(name)
+        if got is None:
+            raise TraceError(f"isolation pass: the reference has no tensor '{name}' (the runs' recipes or "
+                             "tracing plans differ)")
+        full = got.tensor * scale if scale != 1.0 else got.tensor
+        try:
+            local = layout.summand(full, self.coords, self.sizes)
+        except (TraceError, ValueError, RuntimeError):
+            return None
+        if local.shape != like.shape:
+            return None
+        return local.to(dtype=like.dtype, device=like.device)
+
+    def substitute(self, computed: torch.Tensor, name: str, layout: Layout) -> torch.Tensor:
+        ref = self.local(name, layout, computed)
+        if ref is None:
+            return computed
+        return _Substitute.apply(computed, ref) if computed.requires_grad else ref

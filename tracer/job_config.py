@@ -1,0 +1,171 @@
+"""The job contract's environment: the variables ttrace sets for every rank, and the configuration a
+session reads from them (`JobConfig.from_env`).
+
+Environment (ttrace's launcher sets all of them; by hand, with plain torchrun, set the first four):
+  TTRACE_STORE      where the trace goes (any fsspec URL)
+  TTRACE_ROLE       reference | perturbed | candidate | isolated
+  TTRACE_PERTURB    the perturbed run's index r = 1, 2, ... (role perturbed)
+  TTRACE_REFERENCE  URL of the reference run, <store>/reference (role isolated)
+  TTRACE_RUN        run name in the store (default: the role; perturbed-<r> for perturbed runs)
+  TTRACE_SEED       seed of the consistent generator (`init_weights`)
+  TTRACE_SPEC       JSON: the whole job spec from the recipe (parallel sizes, steps, seed, data,
+                    model, ...); ttrace's own jobs read their model from it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from tracer.errors import ConfigError
+
+ENV_SPEC = "TTRACE_SPEC"
+ENV_STORE = "TTRACE_STORE"
+ENV_ROLE = "TTRACE_ROLE"
+ENV_PERTURB = "TTRACE_PERTURB"
+ENV_REFERENCE = "TTRACE_REFERENCE"
+ENV_RUN = "TTRACE_RUN"
+ENV_SEED = "TTRACE_SEED"
+ROLES = ("reference", "perturbed", "candidate", "isolated")
+UNTRACED = "untraced"
+DEFAULT_SEED = 1234
+INITIAL_STEP = -1   # the canonical step of the parameters as attached, before any optimizer step
+
+
+
+def run_name(role: str, perturb: int | None = None) -> str:
+    """The store's name of a run: the role, or perturbed-<r>."""
+    return f"perturbed-{perturb}" if role == "perturbed" else role
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The parallel sizes of this job (the recipe's `parallel` section under ttrace)."""
+
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    sp: bool = False
+    zero1: bool = False
+    name: str = ""
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world_size // (self.tp * self.pp * self.cp))
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], world_size: int) -> Parallel:
+        known = {f.name: f.type for f in fields(cls)}
+        kw: dict[str, Any] = {}
+        for k, v in d.items():
+            if k in known and v is not None:
+                kw[k] = bool(v) if k in ("sp", "zero1") else (str(v) if k == "name" else int(v))
+        kw.setdefault("world_size", world_size)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything ttrace tells one rank of a job (from its environment: see the module doc)."""
+
+    role: str = UNTRACED
+    run: str = ""
+    store: str | None = None
+    perturb: int | None = None
+    reference: str | None = None
+    seed: int = DEFAULT_SEED
+    steps: int | None = None
+    parallel: Parallel = field(default_factory=Parallel)
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    fingerprint: str | None = None
+    spec: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def traced(self) -> bool:
+        return self.role != UNTRACED and bool(self.spec.get("trace", {}).get("enabled", True))
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **defaults: Any) -> JobConfig:
+        """The config of this rank. `defaults` (seed, steps, tp, sp, ...) are the script's own values,
+        used outside ttrace; under ttrace the recipe's win."""
+        env = os.environ if env is None else env
+        try:
+            spec = json.loads(env[ENV_SPEC]) if env.get(ENV_SPEC) else {}
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{ENV_SPEC} is not valid JSON ({e}); it is written by ttrace's launcher") \
+                from None
+        return cls.from_spec(spec, env=env, **defaults)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], *, env: Mapping[str, str] | None = None,
+                  **defaults: Any) -> JobConfig:
+        env = {} if env is None else env
+        trace = dict(spec.get("trace") or {})
+        rank, world = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
+        role = env.get(ENV_ROLE) or trace.get("role") or UNTRACED
+        store = env.get(ENV_STORE) or trace.get("store_url")
+        if role == UNTRACED and store and not spec:
+            raise ConfigError(f"{ENV_STORE} is set but {ENV_ROLE} is not: set {ENV_ROLE} to one of "
+                              f"{', '.join(ROLES)}")
+        if role not in (*ROLES, UNTRACED):
+            raise ConfigError(f"{ENV_ROLE}={role!r} is not a role; use one of {', '.join(ROLES)}")
+        perturb = env.get(ENV_PERTURB) or trace.get("perturb")
+        perturb = None if perturb in (None, "") else int(perturb)
+        reference = env.get(ENV_REFERENCE) or trace.get("reference")
+        if role != UNTRACED and not store:
+            raise ConfigError(f"{ENV_ROLE}={role} needs {ENV_STORE}, the URL the trace is written to")
+        if role == "perturbed" and (perturb is None or perturb < 1):
+            raise ConfigError(f"{ENV_ROLE}=perturbed needs {ENV_PERTURB}=r with r = 1, 2, ... (one value per "
+                              "perturbed reference run)")
+        if role != "perturbed" and perturb is not None:
+            raise ConfigError(f"{ENV_PERTURB}={perturb} is set but {ENV_ROLE}={role}: only perturbed "
+                              "reference runs are perturbed")
+        if role == "isolated" and not reference:
+            raise ConfigError(f"{ENV_ROLE}=isolated needs {ENV_REFERENCE}, the URL of the reference run "
+                              "(<store>/reference)")
+        sizes = dict(defaults)
+        seed = _first(env.get(ENV_SEED), spec.get("seed"), sizes.pop("seed", None), DEFAULT_SEED)
+        steps = _first(spec.get("steps"), sizes.pop("steps", None))
+        parallel = Parallel.from_mapping(spec.get("parallel") or sizes, world)
+        if spec and parallel.world_size != world:
+            raise ConfigError(f"parallel={parallel.name or '?'} declares world_size={parallel.world_size} "
+                              f"but the job was launched with WORLD_SIZE={world}; fix the recipe or the "
+                              "launcher")
+        return cls(role=role, run=env.get(ENV_RUN) or trace.get("run") or run_name(role, perturb),
+                   store=store, perturb=perturb, reference=reference, seed=int(seed),
+                   steps=None if steps is None else int(steps), parallel=parallel, rank=rank,
+                   world_size=world, local_rank=_int(env, "LOCAL_RANK", rank),
+                   fingerprint=trace.get("fingerprint"), spec=spec)
+
+    def env(self) -> dict[str, str]:
+        """The TTRACE_* variables that give a rank this config (ttrace's launcher)."""
+        out = {ENV_SPEC: json.dumps(self.spec, default=str), ENV_ROLE: self.role, ENV_RUN: self.run,
+               ENV_SEED: str(self.seed)}
+        if self.store:
+            out[ENV_STORE] = self.store
+        if self.perturb is not None:
+            out[ENV_PERTURB] = str(self.perturb)
+        if self.reference:
+            out[ENV_REFERENCE] = self.reference
+        return out
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is set (0 counts as set)."""
+    return next((v for v in values if v not in (None, "")), None)
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    try:
+        return int(env.get(key, default))
+    except ValueError:
+        raise ConfigError(f"{key}={env.get(key)!r} is not an integer") from None
+

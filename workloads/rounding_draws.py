@@ -1,0 +1,48 @@
+"""Rounding draws on GEMM results: the built-in trainer's perturbed references under
+`tolerance.perturbation=gemm` (workloads/precision.py says why, docs/tolerance.md what it measured).
+Every GEMM's forward output and input grad is drawn again at its final rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tracer.generator import step_ulp
+
+# P(a GEMM result moves one ulp) in a gemm draw; bf16: P(a value re-rounded from a moved FP32
+# accumulator lands one ulp away).
+ROUNDING_FLIP = {"fp32": 0.25, "bf16": 0.25, "fp8": 1.0}
+
+
+class RoundingDraw:
+    """Moves each element one ulp of its dtype with probability `flip`, up or down (seeded)."""
+
+    def __init__(self, seed: int, flip: float):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.flip = flip
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        moved = step_ulp(t, torch.randint(0, 2, t.shape, generator=self.gen).bool())
+        if self.flip >= 1:   # every element (no second draw: the fp8 draws of before 2026-11-24)
+            return moved
+        return torch.where(torch.rand(t.shape, generator=self.gen) < self.flip, moved, t)
+
+
+class _PerturbGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, noise):
+        ctx.noise = noise
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.noise(g), None
+
+
+def perturbed_linear(linear: Callable[..., torch.Tensor], noise: RoundingDraw) -> Callable[..., torch.Tensor]:
+    """`linear` whose output (forward) and input grad (backward) are each drawn again (RoundingDraw)."""
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        y = linear(_PerturbGrad.apply(x, noise), w, b)
+        return y + (noise(y.detach()) - y.detach())
+    return f
