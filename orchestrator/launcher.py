@@ -40,7 +40,10 @@ ConfigStore.instance().store(group="hydra/launcher", name="ttrace", node=TtraceL
 completed: list[Any] = []
 
 
-class TtraceLauncher(Launcher):
+class BatchLauncher(Launcher):
+    """The launcher itself; Hydra instantiates its subclass in hydra_plugins/ (it accepts plugin
+    classes defined there only)."""
+
     def __init__(self, progress: bool = True) -> None:
         super().__init__()
         self.progress = progress

@@ -1,4 +1,8 @@
-"""Hydra discovers launchers in the `hydra_plugins` namespace package; ttrace's lives in
-orchestrator/launcher.py (`hydra/launcher=ttrace`, the recipes' default)."""
+"""Hydra accepts launchers defined in the `hydra_plugins` namespace package only; ttrace's is
+orchestrator/launcher.py (`hydra/launcher: ttrace`, the recipes' default)."""
 
-from orchestrator.launcher import TtraceLauncher, TtraceLauncherConf  # noqa: F401  (registers the config)
+from orchestrator.launcher import BatchLauncher
+
+
+class TtraceLauncher(BatchLauncher):
+    """`hydra/launcher: ttrace` (orchestrator.launcher.BatchLauncher)."""
