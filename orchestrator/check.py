@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, recipe, storage
+from orchestrator import cluster, layouts, recipe, storage
 from orchestrator.isolation_pass import isolate, wants_isolation
 from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.progress import JobProgress
@@ -100,7 +100,8 @@ def _judge(p: PlannedCheck) -> None:
         assert rs is not None and p.candidate is not None
         report["reference"] = {"key": rs.key, "cache": rs.cache if rs.computed_by in ("", p.check_id)
                                or rs.cache == "hit" else "shared",
-                               "url": rs.url, "computed_by": rs.computed_by}
+                               "url": rs.url, "computed_by": rs.computed_by,
+                               **layouts.report(p.rec["parallel"], layouts.reference_layout(p.rec))}
         if rs.why_off:
             report["reference"]["not_stored_for_reuse"] = rs.why_off
         timings["jobs"] = {j.name: j.seconds for j in ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]}
@@ -109,9 +110,10 @@ def _judge(p: PlannedCheck) -> None:
         if failed:
             raise TTraceError("; ".join(failed))
         t0 = time.perf_counter()
-        # Read as the comparison walks them: a few parts per rank in memory, not the runs.
-        reference = load_logical(rs.url, "reference", 1, lazy=True)
-        perturbed = [load_logical(rs.url, run, 1, lazy=True) for run in rs.runs[1:]]
+        # Read as the comparison walks them: a few parts per rank in memory, not the runs. Each run is
+        # reassembled by its own layout (the reference's: reference.parallel).
+        reference = load_logical(rs.url, "reference", rs.world_size, lazy=True)
+        perturbed = [load_logical(rs.url, run, rs.world_size, lazy=True) for run in rs.runs[1:]]
         candidate = load_logical(p.store_url, "candidate", p.candidate.world_size, lazy=True)
         policy = TolerancePolicy.from_config(p.rec["tolerance"])
         per_step = recipe.microbatches_differ(p.rec)

@@ -16,10 +16,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import layouts
+from orchestrator.layouts import RECIPES, SINGLE_DEVICE  # noqa: F401  (recipe.RECIPES, recipe.SINGLE_DEVICE)
 from tracer.errors import ConfigError
 
-RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
-SINGLE_DEVICE = {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False}
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference")
 BUILTIN_ENTRYPOINT = "workloads.train:main"
@@ -46,10 +46,17 @@ def job_of(recipe: dict[str, Any], base_dir: str | None = None) -> dict[str, Any
     return job
 
 
-def to_dict(cfg: DictConfig) -> dict[str, Any]:
+def to_dict(cfg: DictConfig, search_dirs: list[str] | None = None) -> dict[str, Any]:
+    """The composed recipe as a plain dict. A `reference.parallel` name is resolved here, like a
+    `parallel=<name>` option, from `search_dirs` (default: the running Hydra app's config folders);
+    a name found nowhere stays a name, and `validate` refuses it."""
     out = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(out, dict)
     out.pop("hydra", None)
+    ref = out.get("reference")
+    if isinstance(ref, dict) and isinstance(ref.get("parallel"), str):
+        found = layouts.find(ref["parallel"], layouts.hydra_dirs() if search_dirs is None else search_dirs)
+        ref["parallel"] = found or ref["parallel"]
     return out
 
 
@@ -63,6 +70,9 @@ def resolve_url(url: str, base_dir: str) -> str:
 def fingerprint(recipe: dict[str, Any]) -> str:
     """Content key of everything a reference run depends on."""
     parts = {k: recipe.get(k) for k in REFERENCE_KEYS}
+    if (recipe.get("reference") or {}).get("parallel") is not None:   # its sizes, not its name
+        layout = {k: v for k, v in layouts.reference_layout(recipe).items() if k != "name"}
+        parts["reference"] = {**recipe["reference"], "parallel": layout if layouts.sizes(layout) else None}
     parts["job"] = {k: v for k, v in job_of(recipe).items()
                     if k in ("entrypoint", "command", "env", "version")}
     key = json.dumps(parts, sort_keys=True, default=str)
@@ -173,6 +183,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")
     job = job_of(recipe, base_dir or os.getcwd())
+    layout = layouts.reference_layout(recipe)   # an unknown name or key: exit 2 before anything runs
     if tol.get("perturbation", "auto") not in ("auto", "weights", "gemm"):
         raise ConfigError(f"tolerance.perturbation={tol['perturbation']}: use auto, weights or gemm")
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
@@ -188,7 +199,12 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     resolve_entrypoint(job["entrypoint"])
     if check_spec is not None:
         check_spec(job_spec(recipe, role="candidate", store_url=""))
-        check_spec(job_spec(recipe, role="reference", store_url="", parallel=SINGLE_DEVICE))
+        try:
+            check_spec(job_spec(recipe, role="reference", store_url="", parallel=layout))
+        except ConfigError as e:
+            if (recipe.get("reference") or {}).get("parallel") is None:
+                raise
+            raise ConfigError(f"reference.parallel={layout['name']} (the reference's layout): {e}") from None
 
 
 def _validate_user_job(recipe: dict[str, Any], job: dict[str, Any]) -> None:
@@ -237,6 +253,6 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_dirs: list[str] 
         overrides.append(f"hydra.searchpath=[{dirs}]")
     try:
         with initialize_config_dir(config_dir=RECIPES, version_base="1.3"):
-            return to_dict(hydra_compose("config", overrides=overrides))
+            return to_dict(hydra_compose("config", overrides=overrides), [RECIPES, *config_dirs])
     except HydraException as e:
         raise ConfigError(f"recipe {list(overrides)} cannot be composed: {e}") from None

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import fsspec
 
-from orchestrator import cluster, recipe
+from orchestrator import cluster, layouts, recipe
 from orchestrator.rank_logs import log_dir
 from tracer.errors import TTraceError
 from tracer.job_config import run_name
@@ -35,6 +35,7 @@ class ReferenceSet:
     computed_by: str = ""         # check_id whose plan computed it
     error: str | None = None
     why_off: str | None = None    # why a stored entry may not be reused (recipe.cacheable)
+    world_size: int = 1           # ranks of each run: the reference's layout (reference.parallel)
 
 
 class NeedsReference(Protocol):
@@ -57,7 +58,9 @@ def share_references(plans: list[NeedsReference], base_dir: str) -> list[Referen
             p.refs = computing[key]
             continue
         not_cached = recipe.cacheable(p.rec)
-        found = lookup(entry) if not_cached is None else None
+        layout = layouts.reference_layout(p.rec)
+        world = int(layout["world_size"])
+        found = lookup(entry, world) if not_cached is None else None
         if found is not None:
             p.refs = found
             continue
@@ -65,34 +68,35 @@ def share_references(plans: list[NeedsReference], base_dir: str) -> list[Referen
         R = int(p.rec["tolerance"]["perturbations"])
         runs = ["reference"] + [run_name("perturbed", r) for r in range(1, R + 1)]
         rs = ReferenceSet(key, entry, f"{entry}/{attempt}", runs, "miss" if not_cached is None else "off",
-                          computed_by=p.check_id, why_off=not_cached)
+                          computed_by=p.check_id, why_off=not_cached, world_size=world)
         for r, run in enumerate(runs):
-            # The reference runs the candidate's code (its bug switches too) on one device, differing
-            # only where the recipe's reference.* says (recipe.job_spec).
+            # The reference runs the candidate's code (its bug switches too) at its own layout (one
+            # device unless reference.parallel), differing only where reference.* says (recipe.job_spec).
             spec = recipe.job_spec(p.rec, role="perturbed" if r else "reference", perturb=r or None,
-                                   store_url=rs.url, parallel=recipe.SINGLE_DEVICE,
+                                   store_url=rs.url, parallel=layout,
                                    base_dir=base_dir, log=log_dir(p.output_dir, run))
             timeout = float(p.rec["timeout_s"])
-            rs.jobs.append(cluster.Job(run, spec, 1, label=f"ref {key[:8]}", timeout_s=timeout,
+            rs.jobs.append(cluster.Job(run, spec, world, label=f"ref {key[:8]}", timeout_s=timeout,
                                        error_dir=p.output_dir / "errors"))
         computing[key] = rs
         p.refs = rs
     return list(computing.values())
 
 
-def lookup(entry: str) -> ReferenceSet | None:
-    """A cache entry is reused only if its COMPLETE marker exists and every run's manifests are committed."""
+def lookup(entry: str, world_size: int = 1) -> ReferenceSet | None:
+    """A cache entry is reused only if its COMPLETE marker exists and every run's manifests (of its
+    `world_size` ranks) are committed."""
     fs, path = fsspec.core.url_to_fs(entry)
     try:
         with fs.open(f"{path}/{COMPLETE}", "r") as f:
             info = json.load(f)
         url = f"{entry}/{info['attempt']}"
         for run in info["runs"]:
-            read_run(url, run, 1)
+            read_run(url, run, world_size)
     except (FileNotFoundError, KeyError, json.JSONDecodeError, TTraceError):
         return None
     return ReferenceSet(entry.rsplit("/", 1)[1], entry, url, list(info["runs"]), "hit",
-                   computed_by=info.get("computed_by", ""))
+                        computed_by=info.get("computed_by", ""), world_size=world_size)
 
 
 def commit(rs: ReferenceSet) -> None:
@@ -106,7 +110,7 @@ def commit(rs: ReferenceSet) -> None:
         return
     try:
         for run in rs.runs:
-            read_run(rs.url, run, 1)
+            read_run(rs.url, run, rs.world_size)
         fs, path = fsspec.core.url_to_fs(rs.entry_url)
         info = {"attempt": rs.url.rsplit("/", 1)[1], "runs": rs.runs, "computed_by": rs.computed_by,
                 "code_version": recipe.code_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

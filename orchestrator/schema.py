@@ -110,10 +110,11 @@ class Optim:
 
 @dataclass
 class Reference:
-    """How the reference and perturbed runs differ from the candidate besides its parallel layout.
-    They always run the candidate's code (its bug switches included); a bug a single device shares
-    is caught by a reference that differs in the dimension the bug lives in (workloads/bugs.py,
-    Bug.reference)."""
+    """How the reference and perturbed runs differ from the candidate. They always run the candidate's
+    code (its bug switches included); a bug its layout shares is caught by a reference that differs
+    in the dimension the bug lives in (workloads/bugs.py, Bug.reference; docs/reference_layouts.md)."""
+    # their layout: null (one device), a parallel recipe name (tp2) or a section of sizes
+    parallel: str | dict[str, Any] | None = None
     micro_batch: int | None = None   # the reference's data.micro_batch (the global batch: no accumulation)
     attention: str | None = None     # the reference's model.attention (autograd: no hand-written backward)
 
@@ -164,6 +165,11 @@ def check(recipe: dict[str, Any]) -> None:
     """Raise ConfigError naming the first key the schema does not declare, or a value of the wrong
     type (a string where a number is expected)."""
     _check(recipe, Recipe, "")
+
+
+def check_section(d: Any, cls: type, prefix: str) -> None:
+    """`check` for one section given apart from the recipe (a layout: `reference.parallel`)."""
+    _check(d, cls, prefix)
 
 
 def _check(d: Any, cls: type, prefix: str) -> None:

@@ -20,7 +20,8 @@ plus the variables below, and the job calls `tracer.session()` once:
 
 The session knows the run's *role* and applies it inside `attach`, so the job's code never branches
 on it:
-  reference    trains and traces as is (ttrace runs it at TP=PP=DP=1: the trusted run)
+  reference    trains and traces as is (ttrace runs it at TP=PP=DP=1 or reference.parallel's trusted
+               layout: the trusted run)
   perturbed    every parameter moved one ulp of its dtype, signs drawn per element of the logical
                tensor from (TTRACE_PERTURB, parameter name): the tolerance's noise runs
   candidate    trains and traces as is (the parallel layout under test)

@@ -188,9 +188,12 @@ def _accumulate_main_grad(p: torch.Tensor) -> None:
 
 
 def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Group, *,
-          amax_unreduced: bool = False, gemm_draws: int | None = None) -> None:
+          amax_unreduced: bool = False, gemm_draws: int | None = None, draw_stream: int = 0) -> None:
     """Give every linear its GEMM and every parameter an FP32 main grad (no-op for fp32 unless
-    `gemm_draws`, the perturbed run's seed for rounding draws on GEMM results).
+    `gemm_draws`, the perturbed run's seed for rounding draws on GEMM results). `draw_stream`: the
+    rank's data coordinate (dp, cp) in a parallel reference layout, so each rank's microbatches or
+    sequence chunks get their own draws as one device's do; TP ranks share a stream, so a GEMM
+    replicated over TP (KV heads, the router) stays bitwise one replica.
 
     Call after the weights are initialized in `recipe.param_dtype`."""
     if not recipe.mixed and gemm_draws is None:
@@ -204,7 +207,8 @@ def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Grou
         elif recipe.mixed:
             m.linear = bf16_linear
         if gemm_draws is not None:   # a perturbed reference with perturbation=gemm: its run's seed
-            m.linear = perturbed_linear(m.linear, RoundingDraw(gemm_draws * 1_000_003 + len(name),
+            m.linear = perturbed_linear(m.linear, RoundingDraw(gemm_draws * 1_000_003 + len(name)
+                                                             + draw_stream * 7_919,
                                                              ROUNDING_FLIP[recipe.name]))
     if not recipe.mixed:
         return

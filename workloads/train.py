@@ -97,7 +97,8 @@ def train(job: harness.RankJob) -> list[float]:
     moves = recipe.perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
     precision.apply(model, recipe, ps.tp_cp_group, ps.dp_group,
                     amax_unreduced=bugs.active(cfg.bug, "fp8_amax_unreduced"),
-                    gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None)
+                    gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None,
+                    draw_stream=ps.coords["dp"] * ps.sizes.get("cp", 1) + ps.coords.get("cp", 0))
     tr.attach(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes, perturb=moves == "weights",
               meta={"pp_stage": ps.pp_rank})
     tr.set_grad_scale(cfg.micro_batches_local / cfg.micro_batches_global)

@@ -130,6 +130,7 @@ th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.first
 <p>reference cache: {html.escape(str(ref.get("cache", "-")))} (key {html.escape(str(ref.get("key", "-")))})
 &middot; precision {html.escape(str(rec.get("precision", {}).get("name")))} &middot; steps {rec.get("steps")}
 &middot; R = {rec.get("tolerance", {}).get("perturbations")}</p>
+{f'<p>reference layout: {html.escape(ref["trusted"])}</p>' if ref.get("trusted") else ""}
 {_logs(report)}
 <h2>Divergence profile (relative error, dots; tolerance, line; log scale)</h2>
 <div id="plots">{panels}</div>

@@ -53,6 +53,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     if ref:
         console.print(f"reference: cache {ref.get('cache')} (key {ref.get('key')})"
                       + (f"; compared: {ref['compared']}" if ref.get("compared") else ""), markup=False)
+        if ref.get("trusted"):
+            console.print(f"reference layout: {ref['trusted']}", markup=False)
     for warning in report.get("warnings", []):
         console.print(f"warning: {warning}", markup=False)
     if report.get("logs"):
