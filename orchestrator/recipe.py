@@ -21,7 +21,7 @@ from tracer.errors import ConfigError
 RECIPES = str(Path(__file__).resolve().parents[1] / "recipes")
 SINGLE_DEVICE = {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False}
 # Recipe parts that must be identical for a reference to be valid for a candidate.
-REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference")
+REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
 BUILTIN_ENTRYPOINT = "workloads.train:main"
 OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
@@ -61,8 +61,14 @@ def resolve_url(url: str, base_dir: str) -> str:
 
 
 def fingerprint(recipe: dict[str, Any]) -> str:
-    """Content key of everything a reference run depends on."""
+    """Content key of everything a reference run depends on; its input files by content
+    (orchestrator/inputs.py), not by path."""
+    from orchestrator import inputs
+
     parts = {k: recipe.get(k) for k in REFERENCE_KEYS}
+    parts["data"] = {k: v for k, v in (recipe.get("data") or {}).items() if k != "path"}
+    parts["init"] = {k: v for k, v in (recipe.get("init") or {}).items() if k != "checkpoint"}
+    parts["inputs"] = inputs.identity(recipe)
     parts["job"] = {k: v for k, v in job_of(recipe).items()
                     if k in ("entrypoint", "command", "env", "version")}
     key = json.dumps(parts, sort_keys=True, default=str)
@@ -114,6 +120,8 @@ def cacheable(recipe: dict[str, Any]) -> str | None:
     job = job_of(recipe)
     if not recipe.get("cache", True):
         return "cache=false"
+    if (recipe.get("checkpoint") or {}).get("save"):
+        return "checkpoint.save: the reference runs to write its final state"
     if not job["own"] and not job["version"]:
         return "a user job without job.version (set it, e.g. to a git sha, to reuse references across runs)"
     return None
@@ -124,8 +132,11 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
              reference: str | None = None, base_dir: str | None = None,
              log: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plain dict a rank receives (as TTRACE_SPEC, tracer/job.py)."""
+    from orchestrator.inputs import resolved
     from orchestrator.storage import options as store_options
     from tracer.job_config import run_name
+
+    recipe = resolved(recipe, base_dir or os.getcwd())
 
     model, data = dict(recipe["model"]), dict(recipe["data"])
     if role in ("reference", "perturbed"):   # the candidate's code; only these differ (recipe reference.*)
@@ -138,6 +149,9 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "job": job_of(recipe, base_dir),
         "model": model, "precision": recipe["precision"], "data": data,
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
+        "init": dict(recipe.get("init") or {}),
+        # Only the reference writes its final state (tracer/job_inputs.py save_checkpoint).
+        "checkpoint": dict(recipe.get("checkpoint") or {}) if role == "reference" else {},
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
@@ -173,6 +187,9 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")
     job = job_of(recipe, base_dir or os.getcwd())
+    from orchestrator import inputs
+
+    inputs.validate(inputs.resolved(recipe, base_dir or os.getcwd()), job["own"])
     if tol.get("perturbation", "auto") not in ("auto", "weights", "gemm"):
         raise ConfigError(f"tolerance.perturbation={tol['perturbation']}: use auto, weights or gemm")
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
