@@ -81,13 +81,13 @@ def validate(recipe: dict[str, Any], own_job: bool) -> None:
         TokenFile(str(data["path"]), str(data.get("dtype") or "uint16")).check(
             seq_len, int(model["vocab"]) if own_job else None)
     ckpt = (recipe.get("init") or {}).get("checkpoint")
-    if ckpt:
-        from tracer.checkpoint import open_checkpoint
-
-        open_checkpoint(str(ckpt))
     save = (recipe.get("checkpoint") or {}).get("save")
     if save and ckpt and os.path.abspath(str(save)) == os.path.abspath(str(ckpt)):
         raise ConfigError(f"checkpoint.save={save} is init.checkpoint: the reference would overwrite the "
                           "checkpoint every run starts from; save to another directory")
     if save and os.path.exists(str(save)) and not os.path.isdir(str(save)):
         raise ConfigError(f"checkpoint.save={save} exists and is not a directory")
+    if ckpt:
+        from tracer.checkpoint import open_checkpoint
+
+        open_checkpoint(str(ckpt))
