@@ -8,9 +8,11 @@ plus the variables below, and the job calls `tracer.session()` once:
     import tracer as ttrace
     tr = ttrace.session(tp=args.tp)      # the recipe's sizes under ttrace; these defaults outside it
     ...build and parallelize the model with tr.parallel.tp...
+    tr.init_weights(model)               # optional: the same logical weights in every layout
     tr.attach(model)                     # after the weights are set
     for step in range(steps):
         with tr.step(step):
+            batch = tr.token_batch(step, global_batch, seq_len, vocab)   # optional: the global batch
             for j, mb in enumerate(local_microbatches):
                 with tr.microbatch(dp_rank * len(local_microbatches) + j):   # global index
                     loss = ...

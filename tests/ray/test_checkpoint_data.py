@@ -41,7 +41,7 @@ def test_tp2_sp_from_the_checkpoint_on_a_token_file_passes_and_names_the_layerno
     start = ("parallel=tp2_sp", "init.checkpoint=ck", "data.path=tokens.bin")
     clean = check(base, "clean", *start)
     assert clean.verdict == "pass" and clean.exit_code == 0, clean.message or clean.report["first_divergence"]
-    # Every layout started from the checkpoint: the candidate's reassembled weights as attached are its tensors.
+    # The candidate started from the checkpoint: its reassembled weights as attached are its tensors.
     ck = open_checkpoint(str(base / "ck"))
     cand = load_logical(clean.report["store"], "candidate", 2, lazy=True)
     for name in ("layers.0.ln1.weight", "layers.0.attn.qkv.weight", "embedding.word.weight"):
