@@ -101,7 +101,9 @@ def reference_key(recipe: dict[str, Any]) -> str:
     tol = recipe["tolerance"]
     key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(tol["perturbations"]),
                       "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
-                      "code": code}, sort_keys=True, default=str)
+                      "code": code,
+                      # checks of a sweep saving to different directories are different computations
+                      "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 

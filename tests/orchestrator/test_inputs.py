@@ -48,6 +48,9 @@ def test_the_reference_key_follows_the_files_content_not_their_path(tmp_path):
 def test_checkpoint_save_runs_the_reference_and_only_the_reference_writes(tmp_path):
     rec = recipe.compose(["checkpoint.save=out/ck", "init.checkpoint=in/ck"])
     assert "checkpoint.save" in recipe.cacheable(rec)
+    # Two checks of a sweep saving to two directories do not share one reference computation.
+    assert recipe.reference_key(rec) != recipe.reference_key(recipe.compose(["checkpoint.save=out/ck2",
+                                                                             "init.checkpoint=in/ck"]))
     ref = recipe.job_spec(rec, role="reference", store_url="", base_dir=str(tmp_path))
     cand = recipe.job_spec(rec, role="candidate", store_url="", base_dir=str(tmp_path))
     assert ref["checkpoint"]["save"] == str(tmp_path / "out" / "ck") and not cand["checkpoint"]
