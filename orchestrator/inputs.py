@@ -85,9 +85,39 @@ def validate(recipe: dict[str, Any], own_job: bool) -> None:
     if save and ckpt and os.path.abspath(str(save)) == os.path.abspath(str(ckpt)):
         raise ConfigError(f"checkpoint.save={save} is init.checkpoint: the reference would overwrite the "
                           "checkpoint every run starts from; save to another directory")
+    ref = (recipe.get("reference") or {}).get("parallel")   # reference.parallel (issue 17, part 1)
+    one_device = ref in (None, "", "single") or isinstance(ref, dict) and int(ref.get("world_size", 1)) == 1
+    if save and not one_device:
+        raise ConfigError(f"checkpoint.save={save}: the reference runs on several ranks (reference.parallel="
+                          f"{ref if isinstance(ref, str) else ref.get('name')}) and writing a checkpoint "
+                          "gathers nothing yet; save from a single-device reference (reference.parallel="
+                          "single), then start any layout from it")
     if save and os.path.exists(str(save)) and not os.path.isdir(str(save)):
         raise ConfigError(f"checkpoint.save={save} exists and is not a directory")
     if ckpt:
         from tracer.checkpoint import open_checkpoint
 
-        open_checkpoint(str(ckpt))
+        written_by = open_checkpoint(str(ckpt)).index.get("model")
+        if own_job and written_by:
+            _same_model(str(ckpt), written_by, recipe.get("model") or {})
+
+
+# Model keys that change the parameters' names or shapes (the rest: attention implementation, aux loss).
+SHAPING = ("arch", "vocab", "hidden", "heads", "layers", "seq_len", "ffn_hidden", "kv_heads",
+           "tie_embeddings", "experts")
+
+
+def _same_model(path: str, written_by: dict[str, Any], model: dict[str, Any]) -> None:
+    """A checkpoint.save checkpoint records its model: a model of other shapes is refused here, before
+    anything runs (the ranks would refuse its names)."""
+    from dataclasses import asdict
+
+    from orchestrator.schema import Model
+
+    default = asdict(Model())
+    was, now = ({k: m.get(k, default[k]) for k in SHAPING} for m in (written_by, model))
+    differ = [f"{k}={was[k]} (here {now[k]})" for k in SHAPING if was[k] != now[k]]
+    if differ:
+        raise ConfigError(f"init.checkpoint={path} was written by model={written_by.get('name')} and this "
+                          f"check runs model={model.get('name')}: {', '.join(differ)}; use "
+                          f"model={written_by.get('name')} (or its sizes)")

@@ -63,6 +63,17 @@ def test_unusable_checkpoint_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="would overwrite the checkpoint"):
         recipe.validate(recipe.compose([f"init.checkpoint={tmp_path}", f"checkpoint.save={tmp_path}"]),
                         str(tmp_path))
+    from orchestrator import inputs
+    from tracer.checkpoint import save_checkpoint
+
+    save_checkpoint(str(tmp_path / "llama"), {}, {}, {"model": recipe.compose(["model=llama_tiny"])["model"]})
+    with pytest.raises(ConfigError, match="written by model=llama_tiny and this check runs model=gpt_tiny: "
+                                          "arch=llama \\(here gpt\\)"):
+        recipe.validate(recipe.compose([f"init.checkpoint={tmp_path / 'llama'}"]), str(tmp_path))
+
+    with pytest.raises(ConfigError, match="save from a single-device reference"):
+        inputs.validate({"checkpoint": {"save": str(tmp_path / "out")},
+                         "reference": {"parallel": {"name": "tp2", "world_size": 2}}}, own_job=True)
     with pytest.raises(ConfigError, match="not a URL"):
         recipe.validate(recipe.compose(["data.path=s3://bucket/t.bin"]), str(tmp_path))
 
