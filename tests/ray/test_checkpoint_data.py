@@ -1,7 +1,8 @@
 """Checks that start where another stopped (issue 17): a single-device check saves its reference's final
 state (checkpoint.save), and a TP+SP check starts from it on a token file (init.checkpoint, data.path):
 clean it passes, with the LayerNorm grad bug it is named at the LayerNorm. One checkpoint for the
-module; resuming bit-exactly is tests/workloads/test_resume.py."""
+module; resuming bit-exactly is tests/workloads/test_resume.py, bad checkpoints and token files
+tests/tracer/test_checkpoints_and_token_files.py."""
 
 import numpy as np
 import pytest
