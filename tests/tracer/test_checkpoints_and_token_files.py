@@ -3,6 +3,8 @@ tracer/job_inputs.py), in one process: a checkpoint saved by a single-device ref
 layout's shards (weights and Adam state), bad checkpoints and bad token files are refused naming what
 is wrong."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -120,7 +122,13 @@ def test_hugging_face_and_dcp_directories_are_read_by_logical_name(tmp_path):
     save_file(state, str(tmp_path / "hf" / WEIGHTS))
     with pytest.warns(UserWarning):
         dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    for kind in ("hf", "dcp"):
+    (tmp_path / "sharded").mkdir()   # Hugging Face's sharded form: shards and their index
+    names = sorted(state)
+    for i, part in enumerate((names[:3], names[3:])):
+        save_file({n: state[n] for n in part}, str(tmp_path / "sharded" / f"model-{i}.safetensors"))
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f"model-{int(n not in names[:3])}.safetensors" for n in names}}))
+    for kind in ("hf", "dcp", "sharded"):
         tr = session({"init": {"checkpoint": str(tmp_path / kind)}})
         model = tp_model()
         with pytest.warns(UserWarning) if kind == "dcp" else _nothing():
