@@ -12,6 +12,8 @@ smallest corruption each method detects. Writes bench/tolerance.json and prints 
 4. Corruption study on saved traces: candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
    smallest delta each method detects.
+5. Optional (`--trained STEPS`; `--trained-only` skips 1-4 and keeps their figures): clean checks
+   started from a checkpoint trained STEPS steps on real text (bench/tolerance_trained.py).
 """
 
 from __future__ import annotations
@@ -270,7 +272,12 @@ def main() -> int:
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
+    ap.add_argument("--trained", type=int, default=0, help="stage 5: clean checks from a checkpoint "
+                                                           "trained this many steps (0: skip)")
+    ap.add_argument("--trained-only", action="store_true", help="stage 5 only, into --out's 'trained'")
     args = ap.parse_args()
+    if args.trained_only:
+        return trained_stage(args, Path(args.out))
     store = Path(args.store)
     seeds = [int(s) for s in args.seeds.split(",")]
     calib = [int(s) for s in args.calib_seeds.split(",") if s]
@@ -344,8 +351,25 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
     print(f"wrote {args.out}")
+    if args.trained and trained_stage(args, Path(args.out)):
+        return 1
     # The figure this bench exists for: no clean check may fail.
     return 1 if result["clean_matrix"]["false_positives"] else 0
+
+
+def trained_stage(args: argparse.Namespace, out: Path) -> int:
+    """Stage 5 into out's "trained" entry (the other figures kept); 1 on a false positive."""
+    import tolerance_trained
+
+    seed = int(args.seeds.split(",")[0])
+    res = tolerance_trained.run(Path(args.store) / "trained", args.trained or 200,
+                                tuple(args.precisions.split(",")), seed, ratio_summary)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["trained"] = res
+    out.write_text(json.dumps(result, indent=1))
+    tolerance_trained.print_table(res)
+    print(f"wrote {out}")
+    return 1 if res["false_positives"] or res["errors"] else 0
 
 
 def _fmt(x: float | None) -> str:

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, layouts, recipe, storage
+from orchestrator import cluster, inputs, layouts, recipe, storage
 from orchestrator.isolation_pass import isolate, wants_isolation
 from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.progress import JobProgress
@@ -73,6 +73,9 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
                      time.perf_counter(), base_dir=base_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     try:
+        # Input and output paths absolute, once: the cache key and every job read the same files.
+        p.rec = rec = inputs.resolved(rec, base_dir)
+        p.report["recipe"] = rec
         recipe.validate(rec, base_dir)
         p.report["job"] = {k: v for k, v in recipe.job_of(rec, base_dir).items() if k != "env"}
         opts = storage.options(rec["store"])

@@ -21,7 +21,7 @@ from orchestrator.layouts import RECIPES, SINGLE_DEVICE  # noqa: F401  (recipe.R
 from tracer.errors import ConfigError
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
-REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference")
+REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
 BUILTIN_ENTRYPOINT = "workloads.train:main"
 OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
@@ -68,11 +68,17 @@ def resolve_url(url: str, base_dir: str) -> str:
 
 
 def fingerprint(recipe: dict[str, Any]) -> str:
-    """Content key of everything a reference run depends on."""
+    """Content key of everything a reference run depends on; its input files by content
+    (orchestrator/inputs.py), not by path."""
+    from orchestrator import inputs
+
     parts = {k: recipe.get(k) for k in REFERENCE_KEYS}
     if (recipe.get("reference") or {}).get("parallel") is not None:   # its sizes, not its name
         layout = {k: v for k, v in layouts.reference_layout(recipe).items() if k != "name"}
         parts["reference"] = {**recipe["reference"], "parallel": layout if layouts.sizes(layout) else None}
+    parts["data"] = {k: v for k, v in (recipe.get("data") or {}).items() if k != "path"}
+    parts["init"] = {k: v for k, v in (recipe.get("init") or {}).items() if k != "checkpoint"}
+    parts["inputs"] = inputs.identity(recipe)
     parts["job"] = {k: v for k, v in job_of(recipe).items()
                     if k in ("entrypoint", "command", "env", "version")}
     key = json.dumps(parts, sort_keys=True, default=str)
@@ -105,7 +111,9 @@ def reference_key(recipe: dict[str, Any]) -> str:
     tol = recipe["tolerance"]
     key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(tol["perturbations"]),
                       "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
-                      "code": code}, sort_keys=True, default=str)
+                      "code": code,
+                      # checks of a sweep saving to different directories are different computations
+                      "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
 
 
@@ -124,6 +132,8 @@ def cacheable(recipe: dict[str, Any]) -> str | None:
     job = job_of(recipe)
     if not recipe.get("cache", True):
         return "cache=false"
+    if (recipe.get("checkpoint") or {}).get("save"):
+        return "checkpoint.save: the reference runs to write its final state"
     if not job["own"] and not job["version"]:
         return "a user job without job.version (set it, e.g. to a git sha, to reuse references across runs)"
     return None
@@ -134,8 +144,11 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
              reference: str | None = None, base_dir: str | None = None,
              log: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plain dict a rank receives (as TTRACE_SPEC, tracer/job.py)."""
+    from orchestrator.inputs import resolved
     from orchestrator.storage import options as store_options
     from tracer.job_config import run_name
+
+    recipe = resolved(recipe, base_dir or os.getcwd())
 
     model, data = dict(recipe["model"]), dict(recipe["data"])
     if role in ("reference", "perturbed"):   # the candidate's code; only these differ (recipe reference.*)
@@ -148,6 +161,9 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "job": job_of(recipe, base_dir),
         "model": model, "precision": recipe["precision"], "data": data,
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
+        "init": dict(recipe.get("init") or {}),
+        # Only the reference writes its final state (tracer/job_inputs.py save_checkpoint).
+        "checkpoint": dict(recipe.get("checkpoint") or {}) if role == "reference" else {},
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
@@ -184,6 +200,9 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
                           "check), always (also on a pass) or false")
     job = job_of(recipe, base_dir or os.getcwd())
     layout = layouts.reference_layout(recipe)   # an unknown name or key: exit 2 before anything runs
+    from orchestrator import inputs
+
+    inputs.validate(inputs.resolved(recipe, base_dir or os.getcwd()), job["own"])
     if tol.get("perturbation", "auto") not in ("auto", "weights", "gemm"):
         raise ConfigError(f"tolerance.perturbation={tol['perturbation']}: use auto, weights or gemm")
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:

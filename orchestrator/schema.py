@@ -100,6 +100,19 @@ class Cluster:
 class Data:
     global_batch: int = 8
     micro_batch: int = 2
+    path: str | None = None          # token ids, flat binary (nanoGPT, Megatron) or .npy; null: synthetic
+    dtype: str = "uint16"            # the flat binary's ids: uint16 | uint32 (a .npy file carries its own)
+
+
+@dataclass
+class Init:
+    """What every run starts from (tracer/job_inputs.py)."""
+    checkpoint: str | None = None    # a directory: checkpoint.save's, Hugging Face safetensors, torch DCP
+
+
+@dataclass
+class Checkpoint:
+    save: str | None = None          # directory the reference writes its final params + Adam state to
 
 
 @dataclass
@@ -154,6 +167,8 @@ class Recipe:
     tolerance: Tolerance = field(default_factory=Tolerance)
     reference: Reference = field(default_factory=Reference)
     fault: Fault = field(default_factory=Fault)
+    init: Init = field(default_factory=Init)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     steps: int = 2
     seed: int = 1234
     timeout_s: float = 300

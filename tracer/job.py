@@ -8,9 +8,11 @@ plus the variables below, and the job calls `tracer.session()` once:
     import tracer as ttrace
     tr = ttrace.session(tp=args.tp)      # the recipe's sizes under ttrace; these defaults outside it
     ...build and parallelize the model with tr.parallel.tp...
+    tr.init_weights(model)               # optional: the same logical weights in every layout
     tr.attach(model)                     # after the weights are set
     for step in range(steps):
         with tr.step(step):
+            batch = tr.token_batch(step, global_batch, seq_len, vocab)   # optional: the global batch
             for j, mb in enumerate(local_microbatches):
                 with tr.microbatch(dp_rank * len(local_microbatches) + j):   # global index
                     loss = ...
@@ -42,8 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer.errors import ConfigError
 from tracer.job_config import INITIAL_STEP, JobConfig, Parallel
-from tracer.parameters import init_parameters, mesh_axes_of, param_layout_map, perturb_parameters
+from tracer.job_inputs import JobInputs
+from tracer.parameters import mesh_axes_of, param_layout_map, perturb_parameters
 from tracer.plan import Plan, Rename
 from tracer.process_exit import collect_garbage_at_exit, on_uncaught_exception
 
@@ -52,9 +56,10 @@ TracerFactory = Callable[[Mapping[str, int], Mapping[str, int], Mapping[str, Any
 
 
 
-class Session:
+class Session(JobInputs):
     """One rank's ttrace session (module doc). Methods mirror `tracer.Tracer`; before `attach` and
-    outside ttrace they are no-ops."""
+    outside ttrace they are no-ops. What the job starts from (weights, optimizer state, batches) and
+    the reference's final state: tracer/job_inputs.py."""
 
     def __init__(self, config: JobConfig, *, tracer_factory: TracerFactory | None = None):
         self.config = config
@@ -117,17 +122,6 @@ class Session:
         return self.config.spec
 
     # -- setup --------------------------------------------------------------------------------
-    def init_weights(self, model: nn.Module, plan: Plan | None = None, *, rename: Rename | None = None,
-                     coords: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
-                     init: Callable[[str, nn.Module], str] | None = None, std: float = 0.02) -> None:
-        """Optional: fill every parameter from the consistent generator (`tracer.full_tensor`: the full
-        logical tensor by global name and `seed`, sliced by its layout), so every layout starts from
-        the same weights whatever order it builds its modules in. `init(name, module)` returns
-        "normal", "ones" or "zeros" (default: norms ones/zeros, biases zeros, the rest normal(0, std))."""
-        coords, sizes = mesh_axes_of(model, coords, sizes, plan, None, self.rank, self.world_size)
-        init_parameters(model, param_layout_map(model, plan), self.seed, coords, sizes, rename=rename,
-                        init=init, std=std)
-
     def attach(self, model: nn.Module, plan: Plan | None = None, *, mesh: Any = None,
                coords: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
                rename: Rename | None = None, modules: Iterable[str] | None = None,
@@ -150,6 +144,9 @@ class Session:
         if self._tracer is not None:
             raise RuntimeError("tr.attach(model) was already called in this session; attach once, to the "
                                "whole model (or to the pipeline stage this rank holds)")
+        unused = self._inputs_unused(attaching=True)
+        if unused:
+            raise ConfigError(unused)
         self.coords, self.sizes = mesh_axes_of(model, coords, sizes, plan, mesh, self.rank, self.world_size)
         if self.role == "perturbed" and perturb:
             perturb_parameters(model, param_layout_map(model, plan), self.config.perturb or 0, self.coords,
@@ -221,7 +218,7 @@ class Session:
             self._closed = True
             return
         self._closed = True
-        failed = failed or self._failed
+        failed = failed or self._failed or self._inputs_unused(attaching=False)
         if self._tracer is None:   # set up but never attached: commit an empty trace ttrace reports
             self._tracer = self._new_tracer(False, {"attached": False})
         try:

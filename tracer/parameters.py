@@ -74,18 +74,38 @@ def default_init(name: str, module: nn.Module) -> str:
     return "zeros" if kind == "bias" else "normal"
 
 
+# The full logical tensor of a parameter from its global name and logical shape (a checkpoint).
+Source = Callable[[str, tuple[int, ...]], torch.Tensor]
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, layouts: Mapping[str, Layout], seed: int, coords: Mapping[str, int],
                     sizes: Mapping[str, int], *, rename: Rename | None = None,
-                    init: Callable[[str, nn.Module], str] | None = None, std: float = 0.02) -> None:
+                    init: Callable[[str, nn.Module], str] | None = None, std: float = 0.02,
+                    source: Source | None = None) -> None:
     """Every parameter generated as its full logical tensor by global name (tracer.full_tensor, in
-    FP32, then cast to the parameter's dtype) and sliced to this rank's shard by its layout."""
+    FP32; or read from `source`, a checkpoint), cast to the parameter's dtype and sliced to this
+    rank's shard by its layout."""
     init = init or default_init
     modules = dict(model.named_modules())
     for name, gname, local, layout, shape in _each_param(model, layouts, sizes, rename):
-        kind = init(name, modules[name.rpartition(".")[0]])
-        full = full_tensor(gname, shape, seed, init=kind, std=std).to(local.dtype)
+        if source is not None:
+            full = source(gname, shape).to(local.dtype)
+        else:
+            kind = init(name, modules[name.rpartition(".")[0]])
+            full = full_tensor(gname, shape, seed, init=kind, std=std).to(local.dtype)
         local.copy_(layout.local(full, coords, sizes))
+
+
+LogicalParam = tuple[str, torch.Tensor, Layout, tuple[int, ...]]
+
+
+def logical_params(model: nn.Module, layouts: Mapping[str, Layout], sizes: Mapping[str, int],
+                   rename: Rename | None = None) -> dict[str, LogicalParam]:
+    """Local name -> (global name, the parameter, its layout, its logical shape)."""
+    params = dict(model.named_parameters())
+    return {name: (gname, params[name], layout, shape)
+            for name, gname, _, layout, shape in _each_param(model, layouts, sizes, rename)}
 
 
 def mesh_axes_of(model: nn.Module, coords: Mapping[str, int] | None, sizes: Mapping[str, int] | None,

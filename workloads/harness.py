@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tracer import ConfigError, token_batch
+from tracer import ConfigError
 from tracer.job import Session, session
 from workloads.config import Config, parse
 from workloads.schedule import Microbatch
@@ -54,10 +54,11 @@ class RankJob:
                                 timeout=timedelta(seconds=self.cfg.timeout_s))
 
     def microbatches(self, step: int, dp_rank: int, dp_size: int) -> list[Microbatch]:
-        """This DP rank's contiguous slice of the step's global batch (the consistent generator's
-        tokens), cut into microbatches with GLOBAL indices (dp_rank * local count + j)."""
+        """This DP rank's contiguous slice of the step's global batch (the session's: the consistent
+        generator's tokens or data.path, from the checkpoint's step on), cut into microbatches with
+        GLOBAL indices (dp_rank * local count + j)."""
         cfg = self.cfg
-        tokens = token_batch(cfg.seed, step, cfg.global_batch, cfg.model.seq_len, cfg.model.vocab)
+        tokens = self.session.token_batch(step, cfg.global_batch, cfg.model.seq_len, cfg.model.vocab)
         per_dp, m_local = cfg.global_batch // dp_size, cfg.global_batch // (dp_size * cfg.micro_batch)
         local = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp].to(self.device)
         return [Microbatch(index=dp_rank * m_local + j, ids=chunk[:, :-1], labels=chunk[:, 1:])

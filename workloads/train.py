@@ -106,6 +106,9 @@ def train(job: harness.RankJob) -> list[float]:
         params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False))
     if cfg.parallel.zero1:
         optimizer = zero.DistributedOptimizer(model, plan, ps, cfg)
+    adam, masters, shard = adam_of(optimizer)
+    tr.load_optimizer_state(adam, model, plan, params=masters, shard=shard, rename=rename, coords=ps.coords,
+                            sizes=ps.sizes)   # init.checkpoint's Adam state, when it holds one
     seq_local = cfg.model.seq_len // ps.cp_size   # context parallelism: this rank's zigzag chunks
     seq_local = seq_local // ps.tp_size if cfg.parallel.sp else seq_local
     act_shape = (cfg.micro_batch, seq_local, cfg.model.hidden)
@@ -135,7 +138,18 @@ def train(job: harness.RankJob) -> list[float]:
             tr.record_params(model)
         if ps.is_last_stage:
             step_losses.append(job.mean_loss(losses, ps.dp_group))
+    tr.save_checkpoint(model, adam, params=masters, rename=rename)   # checkpoint.save (reference only)
     return step_losses
+
+
+def adam_of(optimizer: Any) -> tuple[torch.optim.Optimizer, list[torch.Tensor] | None, Any]:
+    """The torch Adam inside the trainer's optimizer, the tensors it steps (FP32 masters; None: the
+    parameters) and the further cut of a parameter's slice it holds (ZeRO-1: this DP rank's chunk)."""
+    if isinstance(optimizer, zero.DistributedOptimizer):
+        return optimizer.adam, optimizer.master, optimizer.mine
+    if isinstance(optimizer, precision.MasterWeightOptimizer):
+        return optimizer.inner, optimizer.master, None
+    return optimizer, None, None
 
 
 def mark_tensor_parallel(model: nn.Module, plan: Mapping[str, Any], ps: Any) -> None:

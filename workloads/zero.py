@@ -41,11 +41,12 @@ class DistributedOptimizer:
                                   f"not divisible by dp={self.dp}; pick sizes divisible by dp")
         self.layouts = {name: shard_layout(layouts[name]) for name, _ in self.named}
         # FP32 master shards (the optimizer state lives only for this rank's shard).
-        self.master = [self._mine(p.detach()).float().clone().requires_grad_(True) for _, p in self.named]
+        self.master = [self.mine(p.detach()).float().clone().requires_grad_(True) for _, p in self.named]
         self.adam = torch.optim.Adam(self.master, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                      foreach=False)
 
-    def _mine(self, t: torch.Tensor) -> torch.Tensor:
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This DP rank's chunk (dim 0) of a TP-local tensor: a parameter, its grad, its Adam state."""
         return t.chunk(self.dp, dim=0)[self.dp_rank]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -73,7 +74,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, tracer: Any) -> None:
         """Take the grad shards (finalize_grads already reduced them), trace, clip, Adam, all-gather."""
-        shards = [self._mine(precision.grad(p)).clone() for _, p in self.named]
+        shards = [self.mine(precision.grad(p)).clone() for _, p in self.named]
         if bugs.active(self.cfg.bug, "tied_embedding_grad_distopt"):
             # BUG tied_embedding_grad_distopt: the embedding-group all-reduce runs on the full grad
             # buffer after the optimizer has taken its shards; the shards never see the other stage.

@@ -212,6 +212,8 @@ def _train(job: harness.RankJob) -> list[float]:
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                  foreach=False)
+    tracer.load_optimizer_state(optimizer, model, plan, params=params, rename=rename, coords=coords,
+                                sizes=sizes)   # init.checkpoint's Adam state, when it holds one
     seq = cfg.model.seq_len
     mask = megatron_shims.causal_mask(seq)
     positions = torch.arange(seq)[None].expand(mbs, seq)
@@ -255,6 +257,7 @@ def _train(job: harness.RankJob) -> list[float]:
                 tracer.record_params(model)
             if last:
                 step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
+    tracer.save_checkpoint(model, optimizer, params=params, rename=rename)   # checkpoint.save (reference)
     return step_losses
 
 

@@ -220,6 +220,7 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=0.0, foreach=False)
+    tracer.load_optimizer_state(optimizer, model)   # init.checkpoint's Adam state, when it holds one
     step_losses: list[float] = []
     for step in range(cfg.steps):
         with tracer.step(step):
@@ -239,6 +240,7 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
             optimizer.step()
             tracer.record_params(model)
         step_losses.append(job.mean_loss(losses, dp_group))
+    tracer.save_checkpoint(model, optimizer)   # checkpoint.save (the reference only)
     return step_losses
 
 
