@@ -8,9 +8,15 @@
   perturbed + candidate, in a fresh process: its peak RSS too) vs the raw read throughput of the
   same files from the same store.
 - scaling: compare time for 1x, 4x, 16x trace sizes (model.layers 2, 8, 32).
+- compare.throughput_ratio_to_raw_read (1x, 16x; goals >= 0.3, >= 0.5): before (chunks one by one
+  with torch's own threads) and after (chunks on every core), same run, fresh processes.
+- check_latency.ratio_to_longest_job (goal <= 1.5): the demo check's wall time over its longest job
+  on a warm cluster, before (that comparison) and after, same run.
 - end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
+Exits 1 when a goal is missed.
 
-Usage: python bench/perf.py [--steps 6] [--skip-e2e]
+Usage: python bench/perf.py [--steps 6] [--skip-e2e] [--only-compare [--scales 1x,16x]
+       [--compare-rounds 3]] [--only-check-latency] [--only-e2e]
 """
 
 from __future__ import annotations
@@ -103,10 +109,12 @@ def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
 
 def _spawn_ranks(spec: dict[str, Any]) -> None:
     """Run a multi-rank job (one process per rank) to completion."""
+    import torch.multiprocessing as torch_mp  # multiprocessing has no start_processes
+
     from orchestrator.cluster import free_port
 
-    mp.start_processes(_rank, args=(spec, free_port("127.0.0.1")), nprocs=int(spec["parallel"]["world_size"]),
-                       join=True, start_method="spawn")
+    torch_mp.start_processes(_rank, args=(spec, free_port("127.0.0.1")),
+                             nprocs=int(spec["parallel"]["world_size"]), join=True, start_method="spawn")
 
 
 def _spawn(specs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -143,13 +151,18 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _compare(store: str, runs: list[str], q: Any) -> None:
-    """Child process: load and compare one store's runs; report times and the process's peak RSS."""
+def _compare(store: str, runs: list[str], q: Any, workers: int | None = None) -> None:
+    """Child process: load and compare one store's runs; report times and the process's peak RSS.
+    `workers=1`: the chunks measured one by one with torch's own threads (before issue 16)."""
     from orchestrator.recipe import compose
     from tracer.compare import compare
     from tracer.logical import load_logical
     from tracer.tolerance import TolerancePolicy
 
+    if workers is not None:
+        import os
+
+        os.environ["TTRACE_COMPARE_THREADS"] = str(workers)
     policy = TolerancePolicy.from_config(compose([])["tolerance"])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
@@ -162,11 +175,37 @@ def _compare(store: str, runs: list[str], q: Any) -> None:
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-def compare_scaling(tmp: Path) -> dict[str, Any]:
+def _compare_in_child(store: str, runs: list[str], workers: int | None) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")   # a fresh process per run: its peak RSS is the comparison's own
+    q = ctx.Queue()
+    p = ctx.Process(target=_compare, args=(store, runs, q, workers))
+    p.start()
+    c = q.get(timeout=1800)
+    p.join()
+    return c
+
+
+def _raw_read(store: str) -> tuple[int, float]:
+    """Every byte of every part and manifest, through the same fsspec filesystem: (bytes, seconds)."""
     import fsspec
 
+    fs = fsspec.filesystem("file")
+    files = [f for f in fs.find(store) if f.endswith((".safetensors", ".json"))]
+    t0 = time.perf_counter()
+    nbytes = sum(len(fs.cat_file(f)) for f in files)
+    return nbytes, time.perf_counter() - t0
+
+
+COMPARE_GOALS = {"16x": 0.5, "1x": 0.3}   # issue 16: compare throughput / raw read throughput
+ROUNDS = 3
+
+
+def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Per size: the comparison `before` (workers=1) and `after` (the default: every core), each in
+    a fresh process, `rounds` times interleaved, each against the raw read measured just before it;
+    the medians (by ratio)."""
     out = {}
-    for label, layers in SCALES.items():
+    for label, layers in scales.items():
         store = str(tmp / f"scale-{label}")
         ov = [f"model.layers={layers}"]
         runs = ["reference", *(f"perturbed{i}" for i in range(1, R + 1)), "candidate"]
@@ -174,23 +213,68 @@ def compare_scaling(tmp: Path) -> dict[str, Any]:
                                                   for i in range(1, R + 1))])
         # The candidate is sharded (tp2): the comparison reassembles it, as in a real check.
         _spawn_ranks(_spec(ov, store, "candidate", parallel=CANDIDATE))
-        # Raw read: every byte of every part and manifest, through the same fsspec filesystem.
-        fs = fsspec.filesystem("file")
-        files = [f for f in fs.find(store) if f.endswith((".safetensors", ".json"))]
-        t0 = time.perf_counter()
-        nbytes = sum(len(fs.cat_file(f)) for f in files)
-        raw_s = time.perf_counter() - t0
-        ctx = mp.get_context("spawn")   # a fresh process per size: its peak RSS is the comparison's own
-        q = ctx.Queue()
-        p = ctx.Process(target=_compare, args=(store, runs, q))
-        p.start()
-        c = q.get(timeout=1800)
-        p.join()
-        gb, cmp_s = nbytes / 1e9, c["compare_total_s"]
-        out[label] = {"layers": layers, "bytes": nbytes, **c, "raw_read_s": raw_s,
-                      "raw_gb_s": gb / raw_s, "compare_gb_s": gb / cmp_s, "ratio": raw_s / cmp_s,
-                      "s_per_gb": cmp_s / gb, "rss_over_trace": c["peak_rss_mb"] * 2**20 / nbytes}
+        rows: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+        for _ in range(rounds):
+            for when, workers in (("before", 1), ("after", None)):
+                nbytes, raw_s = _raw_read(store)
+                c = _compare_in_child(store, runs, workers)
+                gb, cmp_s = nbytes / 1e9, c["compare_total_s"]
+                rows[when].append({
+                    "layers": layers, "bytes": nbytes, **c, "raw_read_s": raw_s, "raw_gb_s": gb / raw_s,
+                    "compare_gb_s": gb / cmp_s, "ratio": raw_s / cmp_s, "s_per_gb": cmp_s / gb,
+                    "rss_over_trace": c["peak_rss_mb"] * 2**20 / nbytes})
+        median = lambda rs: sorted(rs, key=lambda x: x["ratio"])[len(rs) // 2]
+        out[label] = {**median(rows["after"]), "before": median(rows["before"]),
+                      "ratios": {w: [r["ratio"] for r in rs] for w, rs in rows.items()}}
     return out
+
+
+def compare_summary(scaling: dict[str, Any]) -> dict[str, Any]:
+    ratios = {s: {"before": c["before"]["ratio"], "after": c["ratio"]} for s, c in scaling.items()}
+    return {"throughput_ratio_to_raw_read": ratios, "goals": COMPARE_GOALS,
+            "missed": [f"compare {s}" for s, goal in COMPARE_GOALS.items()
+                       if s in ratios and ratios[s]["after"] < goal]}
+
+
+LATENCY_GOAL = 1.5   # issue 16: a check's wall time over its longest job, on a warm cluster
+
+
+def check_latency(tmp: Path, rounds: int = 2) -> dict[str, Any]:
+    """The demo check (default recipe, MLflow on) on a warm cluster: Ray started and its workers warm
+    (one check run first), every check with a fresh store (the reference jobs run). `before`: the
+    comparison as before issue 16 (TTRACE_COMPARE_THREADS=1: chunks one by one with torch's own
+    threads); `after`: as shipped. Interleaved, `rounds` each; the medians of total / longest job."""
+    import os
+
+    import ray
+
+    from orchestrator.check import run_check
+    from orchestrator.recipe import compose
+
+    def one(tag: str) -> dict[str, Any]:
+        rec = compose(["store.url=" + str(tmp / f"latency-store-{tag}")])
+        res = run_check(rec, tmp / f"latency-out-{tag}", base_dir=str(tmp))
+        t = res.report["timings"]
+        longest = max(t.get("jobs", {}).values(), default=float("nan"))
+        return {"verdict": res.verdict, "timings": t, "longest_job_s": longest,
+                "ratio": t["total"] / longest}
+
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    try:
+        one("warm-up")
+        for i in range(rounds):
+            for when in ("before", "after"):
+                if when == "before":
+                    os.environ["TTRACE_COMPARE_THREADS"] = "1"
+                try:
+                    runs[when].append(one(f"{when}{i}"))
+                finally:
+                    os.environ.pop("TTRACE_COMPARE_THREADS", None)
+    finally:
+        ray.shutdown()
+    ratio = {w: statistics.median(r["ratio"] for r in rs) for w, rs in runs.items()}
+    return {"ratio_to_longest_job": ratio, "goal": LATENCY_GOAL, "runs": runs,
+            "missed": ["check_latency"] if ratio["after"] > LATENCY_GOAL else []}
 
 
 def end_to_end(tmp: Path) -> dict[str, Any]:
@@ -226,6 +310,26 @@ def table(r: dict[str, Any]) -> str:
         lines.append(f"{s:<5}{c['layers']:>7}{c['bytes'] / 1e6:>8.1f}{c['tensors']:>8}{c['raw_gb_s']:>10.2f}"
                      f"{c['load_s']:>8.2f}{c['compare_total_s']:>10.2f}{c['compare_gb_s']:>9.3f}"
                      f"{c['ratio']:>7.3f}{c['s_per_gb']:>8.1f}{c.get('peak_rss_mb', 0):>12.0f}")
+    if "compare" in r:
+        for size, v in r["compare"]["throughput_ratio_to_raw_read"].items():
+            goal = COMPARE_GOALS.get(size)
+            lines.append(f"compare.throughput_ratio_to_raw_read {size}: before {v['before']:.3f}, after "
+                         f"{v['after']:.3f}" + (f" (goal >= {goal})" if goal else "")
+                         + ("  MISSED" if f"compare {size}" in r["compare"]["missed"] else ""))
+    if "error" in r.get("check_latency", {}):
+        lines += ["", f"check latency: not measured ({r['check_latency']['error'][:200]})"]
+    elif "check_latency" in r:
+        c = r["check_latency"]
+        lines += ["", "demo check on a warm cluster (Ray up, workers warm, fresh store), seconds"]
+        for when, rs in c["runs"].items():
+            for x in rs:
+                t = x["timings"]
+                lines.append(f"{when:<7} total {t['total']:.2f}  longest job {x['longest_job_s']:.2f}  "
+                             f"jobs_wall {t.get('jobs_wall', 0):.2f}  compare {t.get('compare', 0):.2f}  "
+                             f"tracking {t.get('tracking', 0):.2f}  ratio {x['ratio']:.2f}")
+        v = c["ratio_to_longest_job"]
+        lines.append(f"check_latency.ratio_to_longest_job: before {v['before']:.2f}, after {v['after']:.2f} "
+                     f"(goal <= {c['goal']}){'  MISSED' if c['missed'] else ''}")
     if "e2e_error" in r:
         lines += ["", f"demo check end to end: not measured ({r['e2e_error'][:200]})"]
     if "e2e" in r:
@@ -247,19 +351,35 @@ def main() -> None:
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--only-e2e", action="store_true",
                     help="measure only the demo check and add it to the existing bench/perf.json")
+    ap.add_argument("--only-compare", action="store_true",
+                    help="measure only the comparison (before/after), added to bench/perf.json")
+    ap.add_argument("--only-check-latency", action="store_true",
+                    help="measure only the warm-cluster check latency, added to bench/perf.json")
+    ap.add_argument("--scales", default=",".join(SCALES), help="comparison sizes, e.g. 1x,16x")
+    ap.add_argument("--compare-rounds", type=int, default=ROUNDS)
     args = ap.parse_args()
+    only = args.only_e2e or args.only_compare or args.only_check_latency
+    scales = {s: SCALES[s] for s in args.scales.split(",")}
     result: dict[str, Any] = {"cpus": mp.cpu_count(), "steps": args.steps}
-    if args.only_e2e and OUT.exists():
+    if only and OUT.exists():
         result = json.loads(OUT.read_text())
         result.pop("e2e_error", None)
     with tempfile.TemporaryDirectory(prefix="ttrace-perf-") as d:
         tmp = Path(d)
-        if not args.only_e2e:
+        if not only:
             result["overhead"] = overhead(args.steps, tmp)
             OUT.write_text(json.dumps(result, indent=1, default=str))   # partial results survive a failure
-            result["scaling"] = compare_scaling(tmp)
+        if not only or args.only_compare:
+            result["scaling"] = compare_scaling(tmp, scales, args.compare_rounds)
+            result["compare"] = compare_summary(result["scaling"])
             OUT.write_text(json.dumps(result, indent=1, default=str))
-        if not args.skip_e2e:
+        if not only or args.only_check_latency:
+            try:
+                result["check_latency"] = check_latency(tmp)
+            except Exception as e:   # e.g. Ray failing to start on an overloaded machine
+                result["check_latency"] = {"error": f"{type(e).__name__}: {e}", "missed": ["check_latency"]}
+            OUT.write_text(json.dumps(result, indent=1, default=str))
+        if (not only and not args.skip_e2e) or args.only_e2e:
             try:
                 result["e2e"] = end_to_end(tmp)
             except Exception as e:   # e.g. Ray failing to start on an overloaded machine
@@ -267,6 +387,10 @@ def main() -> None:
     OUT.write_text(json.dumps(result, indent=1, default=str))
     print(table(result))
     print(f"\nwrote {OUT.relative_to(ROOT)}")
+    missed = result.get("compare", {}).get("missed", []) + result.get("check_latency", {}).get("missed", [])
+    if missed:
+        print(f"goal missed: {', '.join(missed)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import commit, share_references
+from orchestrator.report import tracking
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.logical import load_logical
@@ -39,9 +40,13 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     live = [p for p in plans if p.error is None]
     refsets = share_references(live, base_dir)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
+    tracked = [p.rec["tracking"] for p in live if p.rec.get("tracking", {}).get("enabled", False)]
+    warming = None
     if jobs:
         try:
             ray_s = cluster.ensure_ray(live[0].rec["cluster"])
+            if tracked:   # MLflow's import and store open while the jobs run (after Ray's own imports)
+                warming = tracking.warm_up(tracked[0], base_dir)
             cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
             timeout = max(float(p.rec["timeout_s"]) for p in live)
             t0 = time.perf_counter()
@@ -64,6 +69,8 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
         if id(p) not in keep:
             p.loaded = None
     isolate(to_isolate, progress)
+    if warming is not None:
+        warming.join()
     return [finish(p, base_dir, parent_run_id) for p in plans]
 
 

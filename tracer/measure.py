@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tracer.blocks import Blocks, leave_one_out, max_rows, no_nan, ratio
+from tracer.chunk_pool import default_workers, ordered_map
 from tracer.heap import heap_keeps_chunks
 
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
@@ -111,19 +112,26 @@ def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]
 def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
             k_elem: float, chunk_elems: int = CHUNK_ELEMS,
-            excused_masks: dict[str, torch.Tensor] | None = None) -> dict[str, TensorStats]:
+            excused_masks: dict[str, torch.Tensor] | None = None,
+            workers: int | None = None) -> dict[str, TensorStats]:
     """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
     chunk in that order, and must have key.numel elements (the caller checks shapes).
-    `excused_masks`, if given, receives each parameter path's final excusal mask (flat)."""
+    `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
+    Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py); 1 measures
+    them one by one on this thread with torch's own intra-op threads."""
     excusal = _Excusal(k_elem)
     if excused_masks is not None:
         excusal.masks = excused_masks
+    runs = (reference, candidate, *perturbed)
+    load = lambda chunk: [{k.name: run[k.name] for k in chunk} for run in runs]
+    work = lambda chunk, got: _measure_chunk(chunk, got[0], got[1], got[2:], excusal)
+    # A parameter path's excusal state is written by its param_grad and param: measured in order.
+    touches = lambda chunk: {k.path for k in chunk if k.kind in ("param_grad", "param")}
     out: dict[str, TensorStats] = {}
     with heap_keeps_chunks():
-        for chunk in _chunks(keys, chunk_elems):
-            names = [k.name for k in chunk]
-            runs = [{n: run[n] for n in names} for run in (reference, candidate, *perturbed)]
-            out.update(_measure_chunk(chunk, runs[0], runs[1], runs[2:], excusal))
+        for figures in ordered_map(_chunks(keys, chunk_elems), load, work, touches,
+                                   default_workers() if workers is None else workers):
+            out.update(figures)
     return out
 
 

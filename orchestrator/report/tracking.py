@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,19 @@ def _tracking_uri(uri: str, base_dir: str) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + os.path.join(base_dir, uri[len(prefix):])
     return uri
+
+
+def warm_up(cfg: dict[str, Any], base_dir: str) -> threading.Thread:
+    """Import MLflow and open its store (creating the database and the experiment if need be) on a
+    background thread, while the check's jobs run and the driver only waits: 2-15 s of a check's
+    wall time on a fresh process otherwise. A failure here is left to `log_check` to report."""
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            _client(cfg, base_dir)
+
+    t = threading.Thread(target=run, name="ttrace-mlflow-warm-up", daemon=True)
+    t.start()
+    return t
 
 
 def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:

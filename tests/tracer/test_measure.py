@@ -149,3 +149,19 @@ def test_non_finite_reference_and_perturbed_values_are_counted():
     assert got["0/0/d/output"].ref_nonfinite == 1
     assert got["0/0/c/output"].perturbed_nonfinite == 1
     assert got["0/0/b/output"].ref_nonfinite == got["0/0/b/output"].perturbed_nonfinite == 0
+
+
+def test_chunks_measured_on_threads_give_the_figures_of_the_walk_in_order():
+    """Chunks on several threads (tracer/chunk_pool.py), the excusal state shared along parameter
+    paths, give exactly the figures of measuring the chunks one by one."""
+    keys, ref, cand, perts = _traces(3)
+    masks_seq, masks_par = {}, {}
+    seq = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=200, workers=1, excused_masks=masks_seq)
+    par = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=200, workers=4, excused_masks=masks_par)
+    assert seq.keys() == par.keys() and seq["1/-/w/param"].excused > 0
+    for name in seq:
+        for field, a in vars(seq[name]).items():
+            b = getattr(par[name], field)
+            assert a == b or (math.isnan(a) and math.isnan(b)), (name, field, a, b)
+    assert masks_seq.keys() == masks_par.keys()
+    assert all(torch.equal(masks_seq[p], masks_par[p]) for p in masks_seq)
