@@ -20,7 +20,7 @@ from torch import nn
 
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
-from tracer.store import TraceWriter
+from tracer.writer import TraceWriter
 
 
 def canonical_name(step: int, microbatch: int | None, path: str, kind: str) -> str:
@@ -32,12 +32,12 @@ class Tracer:
 
     def __init__(self, store_url: str, run: str, rank: int, coords: Mapping[str, int],
                  sizes: Mapping[str, int], meta: Mapping[str, Any] | None = None, *,
-                 flush_bytes: int = 32 << 20):
+                 flush_bytes: int = 32 << 20, mode: str = "full"):
         self.enabled = True
         self.rank = rank
         self._writer = TraceWriter(store_url, run, rank, {
             "run": run, "rank": rank, "coords": dict(coords), "sizes": dict(sizes), "meta": dict(meta or {}),
-        }, flush_bytes=flush_bytes)
+        }, flush_bytes=flush_bytes, mode=mode)
         self._step: int | None = None
         self._microbatch: int | None = None
         self._seq = 0
@@ -116,7 +116,7 @@ class Tracer:
             "name": name, "module": path.rpartition(".")[0] if kind in ("param_grad", "param") else path,
             "module_type": module_type, "kind": kind, "step": self._step, "microbatch": microbatch,
             "seq": self._seq, "layout": (layout or Replicate()).to_json(), "scale": scale,
-        }, tensor.detach().to("cpu", copy=True))
+        }, tensor)   # snapshotted now (tracer/snapshot.py): the caller may change it afterwards
         self._seq += 1
 
     def record_loss(self, loss: torch.Tensor, microbatch: int) -> None:

@@ -1,6 +1,5 @@
 """Store round-trip, integrity checks, and the comparison stage on hand-built traces (no Ray)."""
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from tracer import ModuleLayout, Shard, Tracer
+from tracer.checksum import hasher
 from tracer.compare import compare
 from tracer.errors import TraceError
 from tracer.logical import load_logical
@@ -157,7 +157,9 @@ def test_a_part_with_a_matching_checksum_but_a_broken_header_is_an_error(traces)
     part.write_bytes(bytes(data))
     manifest = json.loads((rank / "manifest.json").read_text())
     entry = next(f for f in manifest["files"] if f["file"] == part.name)
-    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    h = hasher(manifest["checksum"])
+    h.update(data)
+    entry[manifest["checksum"]] = h.hexdigest()
     (rank / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceError, match="not a valid safetensors file"):
         load(traces, "reference")

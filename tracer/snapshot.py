@@ -1,0 +1,132 @@
+"""Snapshots of traced tensors into pooled host buffers: all the training thread does per tensor.
+
+A *part* is one future safetensors file: a host byte buffer (a *slab*, taken from a pool and given
+back once the part is written) into which each recorded tensor is copied at the next offset aligned
+to its element size. Nothing is allocated per tensor and nothing is serialized here: the writer
+thread (tracer/writer.py) turns a full part into a file from the slab's bytes as they lie.
+
+CUDA tensors are copied with `non_blocking=True` into a pinned slab on a side stream that first
+waits for the producing stream; the producing stream then waits for the copy (an event), so an
+in-place update after the record (gradient clipping, the optimizer) cannot race it, and the CPU
+thread never waits. The part's events are recorded at `fence`; the writer thread synchronizes on
+them before it reads the slab, and the source tensors are held until then. This path is used only
+when `torch.cuda.is_available()`; its ordering logic is unit-tested on CPU with a stand-in for
+torch.cuda (tests/tracer/test_writer.py) and it is UNTESTED ON A GPU until a GPU run exists.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Slot:
+    entry: dict[str, Any]     # the manifest entry (the writer thread may add "stats" to it)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int               # byte offset in the slab
+    nbytes: int
+    keep: bool = True         # written to the part file (False: stats only, tracer/stats.py)
+
+
+@dataclass
+class Part:
+    slab: torch.Tensor        # uint8, host (pinned for CUDA sources)
+    used: int = 0
+    slots: list[Slot] = field(default_factory=list)
+    holds: list[torch.Tensor] = field(default_factory=list)   # device sources until `events` fire
+    events: list[Any] = field(default_factory=list)
+
+    def offset_for(self, nbytes: int, itemsize: int) -> int | None:
+        """Where a tensor of `nbytes` would go, or None if the slab is full."""
+        off = -(-self.used // itemsize) * itemsize
+        return off if off + nbytes <= self.slab.numel() else None
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The slot's tensor as it lies in the slab (valid once the part's events fired)."""
+        raw = self.slab[slot.offset:slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).view(slot.shape) if slot.nbytes else torch.empty(slot.shape, dtype=slot.dtype)
+
+
+class SlabPool:
+    """Host buffers of `size` bytes, reused part after part (a larger tensor gets a one-off slab).
+    Taken on the training thread, given back on the writer thread (deque operations are atomic)."""
+
+    def __init__(self, size: int, keep: int):
+        self.size, self.keep = size, keep
+        self._free: collections.deque[torch.Tensor] = collections.deque()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if nbytes <= self.size:
+            try:
+                return self._free.pop()
+            except IndexError:
+                pass
+        return torch.empty(max(nbytes, self.size), dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, slab: torch.Tensor) -> None:
+        if slab.numel() == self.size and len(self._free) < self.keep:
+            self._free.append(slab)
+
+
+class DeviceCopier:
+    """Device-to-host copies on a side stream, ordered by events (module doc). `cuda` is torch.cuda;
+    tests pass a stand-in with the same calls."""
+
+    def __init__(self, cuda: Any = None):
+        self.cuda = torch.cuda if cuda is None else cuda
+        self._streams: dict[Any, Any] = {}
+
+    def copy(self, part: Part, dst: torch.Tensor, src: torch.Tensor) -> None:
+        side = self._stream(src.device)
+        compute = self.cuda.current_stream(src.device)
+        side.wait_stream(compute)            # the copy reads src after the kernels that produced it
+        with self.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            done = self.cuda.Event()
+            done.record(side)
+        compute.wait_event(done)             # later in-place updates of src wait for the copy
+        part.holds.append(src)               # src outlives the copy: released by the writer thread
+
+    def fence(self, part: Part) -> None:
+        """Mark the end of the part's copies: the writer thread waits on these events."""
+        for device in {t.device for t in part.holds}:
+            event = self.cuda.Event()
+            event.record(self._stream(device))
+            part.events.append(event)
+
+    def _stream(self, device: Any) -> Any:
+        if device not in self._streams:
+            self._streams[device] = self.cuda.Stream(device=device)
+        return self._streams[device]
+
+
+def wait_for_copies(part: Part) -> None:
+    """Writer thread: block until the part's device copies landed, then release their sources."""
+    for event in part.events:
+        event.synchronize()
+    part.events.clear()
+    part.holds.clear()
+
+
+def snapshot(part: Part, entry: dict[str, Any], tensor: torch.Tensor, copier: DeviceCopier | None,
+             keep: bool = True) -> bool:
+    """Copy `tensor` into the part; False if it does not fit (the caller starts a new part)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    off = part.offset_for(nbytes, tensor.element_size())
+    if off is None:
+        return False
+    slot = Slot(entry, tensor.dtype, tuple(tensor.shape), off, nbytes, keep)
+    if nbytes:
+        dst = part.view(slot)
+        if tensor.device.type == "cpu" or copier is None:
+            dst.copy_(tensor)
+        else:
+            copier.copy(part, dst, tensor)
+    part.slots.append(slot)
+    part.used = off + nbytes
+    return True
