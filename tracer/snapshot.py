@@ -40,6 +40,7 @@ class Part:
     slots: list[Slot] = field(default_factory=list)
     holds: list[torch.Tensor] = field(default_factory=list)   # device sources until `events` fire
     events: list[Any] = field(default_factory=list)
+    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # the slab viewed per dtype
 
     def offset_for(self, nbytes: int, itemsize: int) -> int | None:
         """Where a tensor of `nbytes` would go, or None if the slab is full."""
@@ -49,7 +50,9 @@ class Part:
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's tensor as it lies in the slab (valid once the part's events fired)."""
         raw = self.slab[slot.offset:slot.offset + slot.nbytes]
-        return raw.view(slot.dtype).view(slot.shape) if slot.nbytes else torch.empty(slot.shape, dtype=slot.dtype)
+        if not slot.nbytes:
+            return torch.empty(slot.shape, dtype=slot.dtype)
+        return raw.view(slot.dtype).view(slot.shape)
 
 
 class SlabPool:
@@ -120,9 +123,18 @@ def snapshot(part: Part, entry: dict[str, Any], tensor: torch.Tensor, copier: De
     off = part.offset_for(nbytes, tensor.element_size())
     if off is None:
         return False
-    slot = Slot(entry, tensor.dtype, tuple(tensor.shape), off, nbytes, keep)
+    shape = tuple(tensor.shape)
+    slot = Slot(entry, tensor.dtype, shape, off, nbytes, keep)
     if nbytes:
-        dst = part.view(slot)
+        typed = part.typed.get(tensor.dtype)
+        if typed is None:
+            usable = part.slab.numel() // tensor.element_size() * tensor.element_size()
+            typed = part.typed[tensor.dtype] = part.slab[:usable].view(tensor.dtype)
+        strides, n = [], 1   # contiguous strides: one as_strided call, not a slice and two views
+        for d in reversed(shape):
+            strides.append(n)
+            n *= d
+        dst = typed.as_strided(shape, strides[::-1], off // tensor.element_size())
         if tensor.device.type == "cpu" or copier is None:
             dst.copy_(tensor)
         else:

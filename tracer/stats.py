@@ -104,8 +104,10 @@ def of_tensor(t: torch.Tensor) -> Stat:
     return Stat(s["sumsq"], s["absmax"], s["sum"], s["numel"], s["hash"])
 
 
-def combine(name: str, layout: Layout, pieces: Sequence[tuple[Mapping[str, int], Mapping[str, Any], int, float]],
-            sizes: Mapping[str, int]) -> Stat:
+Piece = tuple[Mapping[str, int], Mapping[str, Any], int, float]   # (coords, recorded stats, rank, scale)
+
+
+def combine(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[str, int]) -> Stat:
     """The logical tensor's statistics from every rank's (coords, recorded stats, rank, scale)."""
     if layout.partial:
         raise TraceError(f"{name}: partial sums over {layout.partial} cannot be combined from statistics; "

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from tracer.stats import MODES, PARTIAL_IN_FULL, local_stats
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
 from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
+from tracer.stats import MODES, PARTIAL_IN_FULL, local_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -51,7 +51,9 @@ class TraceWriter:
         self.entries: list[dict[str, Any]] = []
         self.files: list[dict[str, Any]] = []
         self._pool = SlabPool(flush_bytes, keep=max_pending + 2)
-        self._copier = copier if copier is not None else (DeviceCopier() if torch.cuda.is_available() else None)
+        if copier is None and torch.cuda.is_available():
+            copier = DeviceCopier()
+        self._copier = copier
         self._part: Part | None = None
         self._parts = 0
         self._queue: queue.Queue[tuple[str, Part] | None] = queue.Queue(maxsize=max_pending)
