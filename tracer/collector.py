@@ -12,6 +12,7 @@ Each entry carries the layout that lets the comparison stage rebuild the logical
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -21,6 +22,13 @@ from torch import nn
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
 from tracer.writer import TraceWriter
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_json(layout: Layout) -> dict[str, Any]:
+    """A layout's manifest form, built once per layout (a record is on the training thread's path).
+    Shared between entries: never mutated."""
+    return layout.to_json()
 
 
 def canonical_name(step: int, microbatch: int | None, path: str, kind: str) -> str:
@@ -115,7 +123,7 @@ class Tracer:
         self._writer.add({
             "name": name, "module": path.rpartition(".")[0] if kind in ("param_grad", "param") else path,
             "module_type": module_type, "kind": kind, "step": self._step, "microbatch": microbatch,
-            "seq": self._seq, "layout": (layout or Replicate()).to_json(), "scale": scale,
+            "seq": self._seq, "layout": _layout_json(layout or Replicate()), "scale": scale,
         }, tensor)   # snapshotted now (tracer/snapshot.py): the caller may change it afterwards
         self._seq += 1
 

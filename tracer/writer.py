@@ -112,6 +112,9 @@ class TraceWriter:
         return f"part-{i:05d}.safetensors"
 
     def _drain(self) -> None:
+        # One slab fills while earlier steps' are written (pinned slabs are
+        # allocated on first use, when the device is known).
+        self._pool.warm(3)
         while (item := self._queue.get()) is not None:
             name, part = item
             if self._error is not None:
