@@ -23,6 +23,9 @@ from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
 from tracer.writer import TraceWriter
 
+_PARAM_KINDS = frozenset(("param_grad", "param"))
+_REPLICATE = Replicate()
+
 
 @functools.lru_cache(maxsize=4096)
 def _layout_json(layout: Layout) -> dict[str, Any]:
@@ -119,12 +122,11 @@ class Tracer:
             return
         if self._step is None:
             raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")
-        name = canonical_name(self._step, microbatch, path, kind)
-        self._writer.add({
-            "name": name, "module": path.rpartition(".")[0] if kind in ("param_grad", "param") else path,
-            "module_type": module_type, "kind": kind, "step": self._step, "microbatch": microbatch,
-            "seq": self._seq, "layout": _layout_json(layout or Replicate()), "scale": scale,
-        }, tensor)   # snapshotted now (tracer/snapshot.py): the caller may change it afterwards
+        step = self._step
+        name = f"{step}/{'-' if microbatch is None else microbatch}/{path}/{kind}"   # canonical_name
+        # tracer.writer.FIELDS; the tensor is snapshotted now (the caller may change it afterwards)
+        self._writer.add((name, path.rpartition(".")[0] if kind in _PARAM_KINDS else path, module_type, kind,
+                          step, microbatch, self._seq, _layout_json(layout or _REPLICATE), scale), tensor)
         self._seq += 1
 
     def record_loss(self, loss: torch.Tensor, microbatch: int) -> None:
@@ -161,13 +163,16 @@ class Tracer:
     def _record_params(self, model: nn.Module, kind: str) -> None:
         if not self.enabled:
             return
+        known = self.__dict__.setdefault("_renamed", {})   # local name -> (global name, layout, type)
         for pname, p in model.named_parameters():
             t = p if kind == "param" else getattr(p, "main_grad", None)
             t = p.grad if t is None and kind == "param_grad" else t
             if t is None:
                 continue
-            layout, mtype = self._params.get(pname, (Replicate(), ""))
-            self.record(self._rename(pname), kind, t, layout, module_type=mtype)
+            if pname not in known:   # renaming (a regex per name) once, not at every record
+                known[pname] = (self._rename(pname), *self._params.get(pname, (_REPLICATE, "")))
+            name, layout, mtype = known[pname]
+            self.record(name, kind, t, layout, module_type=mtype)
 
     def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
         grad_layout = layout if grad_layout is None else grad_layout

@@ -17,42 +17,44 @@ torch.cuda (tests/tracer/test_writer.py) and it is UNTESTED ON A GPU until a GPU
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 
-@dataclass
-class Slot:
-    entry: dict[str, Any]     # the manifest entry (the writer thread may add "stats" to it)
+class Slot(NamedTuple):
+    """One snapshot in a part (appended as a plain tuple on the hot path, in this field order)."""
+
+    row: int                  # the writer's record index (its manifest entry)
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: torch.Size
     offset: int               # byte offset in the slab
     nbytes: int
-    keep: bool = True         # written to the part file (False: stats only, tracer/stats.py)
+    keep: bool                # written to the part file (False: stats only, tracer/stats.py)
 
 
-@dataclass
 class Part:
-    slab: torch.Tensor        # uint8, host (pinned for CUDA sources)
-    used: int = 0
-    slots: list[Slot] = field(default_factory=list)
-    holds: list[torch.Tensor] = field(default_factory=list)   # device sources until `events` fire
-    events: list[Any] = field(default_factory=list)
-    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)   # the slab viewed per dtype
+    """A slab being filled, then written (module doc)."""
 
-    def offset_for(self, nbytes: int, itemsize: int) -> int | None:
-        """Where a tensor of `nbytes` would go, or None if the slab is full."""
-        off = -(-self.used // itemsize) * itemsize
-        return off if off + nbytes <= self.slab.numel() else None
+    def __init__(self, slab: torch.Tensor):
+        self.slab = slab                  # uint8, host (pinned for CUDA sources)
+        self.capacity = slab.numel()
+        self.used = 0
+        self.slots: list[tuple] = []      # Slot fields
+        self.holds: list[torch.Tensor] = []   # device sources until `events` fire
+        self.events: list[Any] = []
+        self.typed: dict[torch.dtype, torch.Tensor] = {}   # the slab viewed per dtype
+
+    def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+        size = dtype.itemsize
+        view = self.typed[dtype] = self.slab[:self.capacity // size * size].view(dtype)
+        return view
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's tensor as it lies in the slab (valid once the part's events fired)."""
-        raw = self.slab[slot.offset:slot.offset + slot.nbytes]
         if not slot.nbytes:
             return torch.empty(slot.shape, dtype=slot.dtype)
-        return raw.view(slot.dtype).view(slot.shape)
+        return self.slab[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 class SlabPool:
@@ -122,29 +124,39 @@ def wait_for_copies(part: Part) -> None:
     part.holds.clear()
 
 
-def snapshot(part: Part, entry: dict[str, Any], tensor: torch.Tensor, copier: DeviceCopier | None,
+_STRIDES: dict[torch.Size, tuple[int, ...]] = {}   # contiguous strides per shape (shapes repeat every step)
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= d
+    strides = _STRIDES[shape] = tuple(reversed(out))
+    return strides
+
+
+def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | None,
              keep: bool = True) -> bool:
-    """Copy `tensor` into the part; False if it does not fit (the caller starts a new part)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    off = part.offset_for(nbytes, tensor.element_size())
-    if off is None:
+    """Copy `tensor` (detached) into the part at the next offset aligned to its element size; False if
+    it does not fit (the caller starts a new part). The training thread's hot path: two torch calls
+    (a view of the slab, the copy) and no allocation."""
+    dtype = tensor.dtype
+    size = dtype.itemsize
+    nbytes = tensor.numel() * size
+    off = -(-part.used // size) * size
+    if off + nbytes > part.capacity:
         return False
-    shape = tuple(tensor.shape)
-    slot = Slot(entry, tensor.dtype, shape, off, nbytes, keep)
+    shape = tensor.shape
     if nbytes:
-        typed = part.typed.get(tensor.dtype)
+        typed = part.typed.get(dtype)
         if typed is None:
-            usable = part.slab.numel() // tensor.element_size() * tensor.element_size()
-            typed = part.typed[tensor.dtype] = part.slab[:usable].view(tensor.dtype)
-        strides, n = [], 1   # contiguous strides: one as_strided call, not a slice and two views
-        for d in reversed(shape):
-            strides.append(n)
-            n *= d
-        dst = typed.as_strided(shape, strides[::-1], off // tensor.element_size())
-        if tensor.device.type == "cpu" or copier is None:
+            typed = part.typed_view(dtype)
+        dst = typed.as_strided(shape, _STRIDES.get(shape) or _strides(shape), off // size)
+        if copier is None or not tensor.is_cuda:
             dst.copy_(tensor)
         else:
             copier.copy(part, dst, tensor)
-    part.slots.append(slot)
+    part.slots.append((row, dtype, shape, off, nbytes, keep))
     part.used = off + nbytes
     return True

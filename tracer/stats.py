@@ -70,9 +70,12 @@ def tensor_hash(t: torch.Tensor) -> str:
     return xxhash.xxh3_64(raw.numpy()).hexdigest()
 
 
-def local_stats(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+def local_stats(tensors: Sequence[torch.Tensor], raw: Sequence[Any] | None = None,
+                flat: bool = False) -> list[dict[str, Any]]:
     """Statistics of each tensor, as recorded in a stats-mode manifest entry. Tensors of one dtype
-    are reduced together (tracer.blocks: a few dense reductions, not four per tensor)."""
+    are reduced together (tracer.blocks: a few dense reductions, not four per tensor). `raw`: each
+    tensor's bytes (buffer objects) to hash, when the caller has them; `flat`: the tensors are 1-D
+    contiguous already (the writer's views of its slab)."""
     out: list[dict[str, Any]] = [{} for _ in tensors]
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -83,18 +86,20 @@ def local_stats(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         pad = torch.zeros(BLOCK, dtype=dtype)
         pieces: list[torch.Tensor] = []
         for i, n in zip(idx, lens, strict=True):
-            pieces.append(tensors[i].reshape(-1))
+            pieces.append(tensors[i] if flat else tensors[i].reshape(-1))
             if n % BLOCK:
                 pieces.append(pad[:BLOCK - n % BLOCK])
         wide = torch.float32 if dtype.is_floating_point and dtype.itemsize <= 4 else torch.float64
         flat = torch.cat(pieces).to(wide).view(-1, BLOCK)
         sumsq = blocks.sumsq(flat).tolist()
-        absmax = blocks.max(flat.abs()).tolist()
+        lo, hi = flat.aminmax(dim=1)   # max |x| per block without an |x| pass
+        absmax = torch.segment_reduce(torch.maximum(hi, -lo).double(), "max", lengths=blocks.block_lengths,
+                                      initial=0).tolist()
         sums = torch.segment_reduce(flat.sum(1, dtype=torch.float64), "sum",
                                     lengths=blocks.block_lengths).tolist()
         for j, i in enumerate(idx):
             out[i] = {"sumsq": sumsq[j], "absmax": absmax[j], "sum": sums[j], "numel": lens[j],
-                      "hash": tensor_hash(tensors[i])}
+                      "hash": tensor_hash(tensors[i]) if raw is None else xxhash.xxh3_64(raw[i]).hexdigest()}
     return out
 
 

@@ -46,8 +46,7 @@ def _write(root: Path, run: str, flush_bytes: int = 1024) -> dict[str, torch.Ten
                     flush_bytes=flush_bytes)
     tensors = _tensors()
     for seq, (name, t) in enumerate(tensors.items()):
-        w.add({"name": name, "module": name, "kind": "output", "step": 0, "microbatch": None, "seq": seq,
-               "layout": Replicate().to_json(), "scale": 1.0}, t)
+        w.add((name, name, "", "output", 0, None, seq, Replicate().to_json(), 1.0), t)   # writer.FIELDS
     kept = {n: t.clone() for n, t in tensors.items()}
     for t in tensors.values():   # changed after the record: the snapshot must not see it
         if t.numel() and t.dtype.is_floating_point and t.dtype.itemsize > 1:
@@ -99,10 +98,9 @@ def test_a_rank_that_dies_mid_step_leaves_no_committed_manifest(tmp_path):
         import glob, os, time, torch
         from tracer.writer import TraceWriter
         w = TraceWriter({str(tmp_path)!r}, "r", 0, {{"rank": 0, "coords": {{}}, "sizes": {{}}, "meta": {{}}}})
-        e = {{"module": "m", "kind": "output", "microbatch": None, "layout": {{}}, "scale": 1.0}}
-        w.add(dict(e, name="0/-/m/output", step=0, seq=0), torch.ones(1000))
+        w.add(("0/-/m/output", "m", "", "output", 0, None, 0, {{}}, 1.0), torch.ones(1000))
         w.flush()                     # step 0 done: its part goes to the writer thread
-        w.add(dict(e, name="1/-/m/output", step=1, seq=1), torch.ones(1000))
+        w.add(("1/-/m/output", "m", "", "output", 1, None, 1, {{}}, 1.0), torch.ones(1000))
         while not glob.glob(w.dir + "/part-*.safetensors"):   # the writer thread writes step 0's part
             time.sleep(0.01)
         os._exit(9)                   # dies mid-step 1, as a killed rank does
