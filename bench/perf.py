@@ -1,5 +1,10 @@
 """Performance of ttrace itself, all figures measured in one run -> bench/perf.json and a table.
 
+- tracer_overhead (the goals of issue 16): gpt_tiny's median step time with full tracing and with
+  trace.mode=stats over the untraced step, after (the current writer) and before (the previous
+  writer, kept below as LegacyTraceWriter: a copy per tensor, safetensors.save, sha256), all in the
+  same run, in fresh processes interleaved round by round. Exits 1 when a goal is missed
+  (full <= 1.3x, stats <= 1.1x).
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
   peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
@@ -15,8 +20,8 @@
 - end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
 Exits 1 when a goal is missed.
 
-Usage: python bench/perf.py [--steps 6] [--skip-e2e] [--only-compare [--scales 1x,16x]
-       [--compare-rounds 3]] [--only-check-latency] [--only-e2e]
+Usage: python bench/perf.py [--steps 6] [--skip-e2e] [--only-tracer-overhead [--rounds 3]]
+       [--only-compare [--scales 1x,16x] [--compare-rounds 3]] [--only-check-latency] [--only-e2e]
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ def _spec(overrides: list[str], store: str, run: str, *, trace: bool = True,
     return spec
 
 
-def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float]) -> Any:
-    """The job's session (tracing on or off), timing each `step` block."""
+def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float],
+                   cpu: list[float] | None = None) -> Any:
+    """The job's session (tracing on or off), timing each `step` block (wall; `cpu`: the process's CPU
+    time in it, every thread: the writer thread's work is counted where it overlaps the step)."""
     import contextlib
 
     from tracer.job import Session
@@ -64,32 +71,105 @@ def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float]
         def step(self, step: int) -> Any:
             @contextlib.contextmanager
             def timed():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 with Session.step(self, step):
                     yield
                 times.append(time.perf_counter() - t0)
+                if cpu is not None:
+                    cpu.append(time.process_time() - c0)
             return timed()
 
     return TimedSession(JobConfig.from_spec(spec, env=env))
 
 
-def _train(specs: list[dict[str, Any]], q: Any) -> None:
+# tracer.writer.FIELDS (bench must not depend on it for the old writer's sake)
+_FIELDS = ("name", "module", "module_type", "kind", "step", "microbatch", "seq", "layout", "scale")
+
+
+class LegacyTraceWriter:
+    """The trace writer before issue 16 (the `before` of tracer_overhead): a fresh copy of every tensor
+    on the training thread, then `safetensors.save` (a second copy, holding the GIL), a write and a
+    sha256 per part on a background thread."""
+
+    def __init__(self, root: str, run: str, rank: int, header: dict[str, Any], flush_bytes: int = 32 << 20,
+                 **_: Any):
+        import queue
+        import threading
+
+        from tracer.store import _fs, rank_dir
+
+        self.fs, base = _fs(root)
+        self.dir = f"{base}/{run}/{rank_dir(rank)}"
+        self.fs.makedirs(self.dir, exist_ok=True)
+        self.header, self.flush_bytes = header, flush_bytes
+        self.entries: list[dict[str, Any]] = []
+        self.files: list[dict[str, Any]] = []
+        self._buf: dict[str, Any] = {}
+        self._buf_bytes = self._parts = 0
+        self._queue: Any = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def add(self, fields: tuple, tensor: Any) -> None:
+        entry = dict(zip(_FIELDS, fields, strict=True))   # the old writer took the entry as a dict
+        tensor = tensor.detach().to("cpu", copy=True)
+        self.entries.append(dict(entry, key=entry["name"], file=f"part-{self._parts:05d}.safetensors",
+                                 shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch.")))
+        self._buf[entry["name"]] = tensor.contiguous()
+        self._buf_bytes += tensor.numel() * tensor.element_size()
+        if self._buf_bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buf:
+            self._queue.put((f"part-{self._parts:05d}.safetensors", self._buf))
+            self._parts += 1
+            self._buf, self._buf_bytes = {}, 0
+
+    def close(self, incomplete: str | None = None) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        manifest = dict(self.header, format="ttrace-trace/1", files=self.files, entries=self.entries)
+        with self.fs.open(f"{self.dir}/manifest.json", "w") as f:
+            f.write(json.dumps(manifest))
+
+    def _drain(self) -> None:
+        import hashlib
+
+        from safetensors.torch import save
+
+        while (item := self._queue.get()) is not None:
+            name, tensors = item
+            data = save(tensors)
+            with self.fs.open(f"{self.dir}/{name}", "wb") as f:
+                f.write(data)
+            self.files.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+
+
+def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
     """Child process: run each single-rank job in turn (the built-in job's entrypoint, as ttrace's
-    launcher calls it); report step times, wall and peak RSS."""
+    launcher calls it); report step times, wall, CPU time and peak RSS. `legacy`: trace with the
+    writer before issue 16."""
     import os
 
     from orchestrator.cluster import free_port
     from workloads import train
 
+    if legacy:
+        import tracer.collector
+
+        tracer.collector.TraceWriter = LegacyTraceWriter  # type: ignore[misc,assignment]
     out = []
     for spec in specs:
         times: list[float] = []
+        cpu: list[float] = []
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port("127.0.0.1"))}
         os.environ.update(env)
         t0 = time.perf_counter()
-        train.main(_timed_session(spec, env, times))
-        out.append({"steps": times, "wall": time.perf_counter() - t0})
+        train.main(_timed_session(spec, env, times, cpu))
+        out.append({"steps": times, "wall": time.perf_counter() - t0, "step_cpu": cpu})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
@@ -117,10 +197,10 @@ def _spawn_ranks(spec: dict[str, Any]) -> None:
                              nprocs=int(spec["parallel"]["world_size"]), join=True, start_method="spawn")
 
 
-def _spawn(specs: list[dict[str, Any]]) -> dict[str, Any]:
+def _spawn(specs: list[dict[str, Any]], legacy: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_train, args=(specs, q))
+    p = ctx.Process(target=_train, args=(specs, q, legacy))
     p.start()
     res = q.get(timeout=1800)
     p.join()
@@ -148,6 +228,40 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
                    wall_ratio=on["wall_s"] / off["wall_s"], rss_ratio=on["peak_rss_mb"] / off["peak_rss_mb"],
                    trace_bytes_per_step=_dir_bytes(store / "on") / steps)
         out[model] = row
+    return out
+
+
+GOALS = {"step_time_ratio": 1.3, "stats_mode_step_time_ratio": 1.1}   # issue 16
+WRITERS = {"off": None, "legacy_full": "full", "full": "full", "stats": "stats"}
+
+
+def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    """gpt_tiny, one rank: median step time (steps after the first, all rounds pooled) of each writer
+    over the untraced one. Each round runs every configuration once, in a fresh process, in turn: a
+    load spike on the shared machine then hits every configuration alike."""
+    steps_of: dict[str, list[float]] = {w: [] for w in WRITERS}
+    cpu_of: dict[str, list[float]] = {w: [] for w in WRITERS}
+    bytes_of: dict[str, int] = {}
+    for r in range(rounds):
+        for w, mode in WRITERS.items():
+            store = tmp / f"tracer-overhead-{w}"
+            spec = _spec([f"steps={steps}"], str(store), f"round{r}", trace=mode is not None)
+            spec["trace"]["mode"] = mode or "full"
+            res = _spawn([spec], legacy=w.startswith("legacy"))["runs"][0]
+            steps_of[w] += res["steps"][1:]   # step 0 pays one-off allocations
+            cpu_of[w] += res["step_cpu"][1:]
+            bytes_of[w] = _dir_bytes(store / f"round{r}") if mode else 0
+    med = {w: statistics.median(v) for w, v in steps_of.items()}
+    row = lambda w: {"step_median_s": med[w], "steps_measured": len(steps_of[w]),
+                     "step_cpu_median_s": statistics.median(cpu_of[w]),
+                     "trace_bytes_per_step": bytes_of[w] / steps}
+    out: dict[str, Any] = {"model": "gpt_tiny", "steps": steps, "rounds": rounds, "goals": GOALS,
+                           **{w: row(w) for w in WRITERS}}
+    out["step_time_ratio"] = {"before": med["legacy_full"] / med["off"], "after": med["full"] / med["off"]}
+    # Before this change there was no stats mode: its `before` is the full trace it replaces.
+    out["stats_mode_step_time_ratio"] = {"before": med["legacy_full"] / med["off"],
+                                         "after": med["stats"] / med["off"]}
+    out["missed"] = [k for k, goal in GOALS.items() if out[k]["after"] > goal]
     return out
 
 
@@ -295,7 +409,22 @@ def end_to_end(tmp: Path) -> dict[str, Any]:
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = ["tracer overhead (single rank, gloo, CPU; steps after the first)",
+    lines = []
+    if "tracer_overhead" in r:
+        t = r["tracer_overhead"]
+        lines += [f"tracer_overhead (gpt_tiny, 1 rank, {t['rounds']} rounds x {t['steps']} steps; "
+                  "median step)",
+                  f"{'writer':<13}{'step ms':>9}{'x untraced':>12}{'step CPU ms':>13}{'trace MB/step':>15}"]
+        for w in WRITERS:
+            o = t[w]
+            ratio = o["step_median_s"] / t["off"]["step_median_s"]
+            lines.append(f"{w:<13}{o['step_median_s'] * 1e3:>9.1f}{ratio:>12.2f}"
+                         f"{o['step_cpu_median_s'] * 1e3:>13.1f}{o['trace_bytes_per_step'] / 1e6:>15.2f}")
+        for k, goal in GOALS.items():
+            lines.append(f"{k}: before {t[k]['before']:.2f}, after {t[k]['after']:.2f} (goal <= {goal})"
+                         f"{'  MISSED' if k in t['missed'] else ''}")
+        lines.append("")
+    lines += ["tracer overhead (single rank, gloo, CPU; steps after the first)",
              f"{'model':<13}{'step off ms':>12}{'step on ms':>12}{'step x':>8}{'wall x':>8}"
              f"{'RSS off MB':>11}{'RSS on MB':>10}{'RSS x':>7}{'trace MB/step':>15}"]
     for m, o in r.get("overhead", {}).items():
@@ -349,6 +478,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="tracer_overhead: rounds of all writers")
+    ap.add_argument("--only-tracer-overhead", action="store_true",
+                    help="measure only tracer_overhead and add it to the existing bench/perf.json")
     ap.add_argument("--only-e2e", action="store_true",
                     help="measure only the demo check and add it to the existing bench/perf.json")
     ap.add_argument("--only-compare", action="store_true",
@@ -358,7 +490,7 @@ def main() -> None:
     ap.add_argument("--scales", default=",".join(SCALES), help="comparison sizes, e.g. 1x,16x")
     ap.add_argument("--compare-rounds", type=int, default=ROUNDS)
     args = ap.parse_args()
-    only = args.only_e2e or args.only_compare or args.only_check_latency
+    only = args.only_e2e or args.only_compare or args.only_check_latency or args.only_tracer_overhead
     scales = {s: SCALES[s] for s in args.scales.split(",")}
     result: dict[str, Any] = {"cpus": mp.cpu_count(), "steps": args.steps}
     if only and OUT.exists():
@@ -366,6 +498,9 @@ def main() -> None:
         result.pop("e2e_error", None)
     with tempfile.TemporaryDirectory(prefix="ttrace-perf-") as d:
         tmp = Path(d)
+        if not only or args.only_tracer_overhead:
+            result["tracer_overhead"] = tracer_overhead(args.steps, args.rounds, tmp)
+            OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only:
             result["overhead"] = overhead(args.steps, tmp)
             OUT.write_text(json.dumps(result, indent=1, default=str))   # partial results survive a failure
@@ -387,7 +522,8 @@ def main() -> None:
     OUT.write_text(json.dumps(result, indent=1, default=str))
     print(table(result))
     print(f"\nwrote {OUT.relative_to(ROOT)}")
-    missed = result.get("compare", {}).get("missed", []) + result.get("check_latency", {}).get("missed", [])
+    missed = (result.get("tracer_overhead", {}).get("missed", []) + result.get("compare", {}).get("missed", [])
+              + result.get("check_latency", {}).get("missed", []))
     if missed:
         print(f"goal missed: {', '.join(missed)}", file=sys.stderr)
         sys.exit(1)

@@ -23,6 +23,11 @@ def wants_isolation(p: PlannedCheck) -> bool:
     mode = p.rec.get("localize", True)
     assert p.comparison is not None
     wanted = mode == "always" or (mode is True and p.comparison.verdict == "fail")
+    if wanted and ((p.rec.get("trace") or {}).get("mode") or "full") == "stats":
+        p.report["localization_error"] = ("no isolation pass: trace.mode=stats stores no tensor values to "
+                                          "feed the isolated run; rerun with trace.mode=full to name the "
+                                          "culprit")
+        return False
     if wanted and recipe.microbatches_differ(p.rec):
         p.report["localization_error"] = ("no isolation pass: the reference's microbatches are not the "
                                           "candidate's, so its module tensors cannot be fed to them")

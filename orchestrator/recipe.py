@@ -168,6 +168,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
                   "perturb": perturb, "reference": reference, "enabled": True,
+                  "mode": (recipe.get("trace") or {}).get("mode") or "full",
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
@@ -195,6 +196,12 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     from tracer.tolerance import TolerancePolicy
 
     TolerancePolicy.from_config(tol)
+    from tracer.stats import MODES
+
+    mode = (recipe.get("trace") or {}).get("mode") or "full"
+    if mode not in MODES:
+        raise ConfigError(f"trace.mode={mode!r}: use full (every traced tensor) or stats (norm, max-abs, sum "
+                          "and hash per tensor; docs/stats_mode.md)")
     if recipe.get("localize", True) not in (True, False, "always"):
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")

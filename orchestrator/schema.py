@@ -82,6 +82,12 @@ class Store:
 
 
 @dataclass
+class Trace:
+    mode: str = "full"               # full (every traced tensor) | stats (norm, max-abs, sum, hash per
+                                     # tensor: docs/stats_mode.md)
+
+
+@dataclass
 class Tracking:
     enabled: bool = True
     uri: str = "sqlite:///mlflow.db"
@@ -160,6 +166,7 @@ class Recipe:
     precision: Precision = field(default_factory=Precision)
     bug: Bug = field(default_factory=Bug)
     store: Store = field(default_factory=Store)
+    trace: Trace = field(default_factory=Trace)
     tracking: Tracking = field(default_factory=Tracking)
     cluster: Cluster = field(default_factory=Cluster)
     data: Data = field(default_factory=Data)

@@ -12,6 +12,7 @@ Each entry carries the layout that lets the comparison stage rebuild the logical
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,7 +21,17 @@ from torch import nn
 
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
-from tracer.store import TraceWriter
+from tracer.writer import TraceWriter
+
+_PARAM_KINDS = frozenset(("param_grad", "param"))
+_REPLICATE = Replicate()
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout_json(layout: Layout) -> dict[str, Any]:
+    """A layout's manifest form, built once per layout (a record is on the training thread's path).
+    Shared between entries: never mutated."""
+    return layout.to_json()
 
 
 def canonical_name(step: int, microbatch: int | None, path: str, kind: str) -> str:
@@ -32,12 +43,12 @@ class Tracer:
 
     def __init__(self, store_url: str, run: str, rank: int, coords: Mapping[str, int],
                  sizes: Mapping[str, int], meta: Mapping[str, Any] | None = None, *,
-                 flush_bytes: int = 32 << 20):
+                 flush_bytes: int = 32 << 20, mode: str = "full"):
         self.enabled = True
         self.rank = rank
         self._writer = TraceWriter(store_url, run, rank, {
             "run": run, "rank": rank, "coords": dict(coords), "sizes": dict(sizes), "meta": dict(meta or {}),
-        }, flush_bytes=flush_bytes)
+        }, flush_bytes=flush_bytes, mode=mode)
         self._step: int | None = None
         self._microbatch: int | None = None
         self._seq = 0
@@ -111,12 +122,11 @@ class Tracer:
             return
         if self._step is None:
             raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")
-        name = canonical_name(self._step, microbatch, path, kind)
-        self._writer.add({
-            "name": name, "module": path.rpartition(".")[0] if kind in ("param_grad", "param") else path,
-            "module_type": module_type, "kind": kind, "step": self._step, "microbatch": microbatch,
-            "seq": self._seq, "layout": (layout or Replicate()).to_json(), "scale": scale,
-        }, tensor.detach().to("cpu", copy=True))
+        step = self._step
+        name = f"{step}/{'-' if microbatch is None else microbatch}/{path}/{kind}"   # canonical_name
+        # tracer.writer.FIELDS; the tensor is snapshotted now (the caller may change it afterwards)
+        self._writer.add((name, path.rpartition(".")[0] if kind in _PARAM_KINDS else path, module_type, kind,
+                          step, microbatch, self._seq, _layout_json(layout or _REPLICATE), scale), tensor)
         self._seq += 1
 
     def record_loss(self, loss: torch.Tensor, microbatch: int) -> None:
@@ -153,13 +163,16 @@ class Tracer:
     def _record_params(self, model: nn.Module, kind: str) -> None:
         if not self.enabled:
             return
+        known = self.__dict__.setdefault("_renamed", {})   # local name -> (global name, layout, type)
         for pname, p in model.named_parameters():
             t = p if kind == "param" else getattr(p, "main_grad", None)
             t = p.grad if t is None and kind == "param_grad" else t
             if t is None:
                 continue
-            layout, mtype = self._params.get(pname, (Replicate(), ""))
-            self.record(self._rename(pname), kind, t, layout, module_type=mtype)
+            if pname not in known:   # renaming (a regex per name) once, not at every record
+                known[pname] = (self._rename(pname), *self._params.get(pname, (_REPLICATE, "")))
+            name, layout, mtype = known[pname]
+            self.record(name, kind, t, layout, module_type=mtype)
 
     def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
         grad_layout = layout if grad_layout is None else grad_layout

@@ -16,6 +16,7 @@ from tracer.errors import LayoutMismatch, TraceError
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey, measure
+from tracer.stats_compare import compare_stats
 from tracer.tolerance import TolerancePolicy, unit_roundoff
 from tracer.verdicts import Comparison, TensorResult
 
@@ -87,7 +88,7 @@ def _per_step(trace: LogicalTrace) -> LogicalTrace:
     """The run's tensors of whole steps (no microbatch index): parameters and their gradients."""
     keep = [n for n in trace.order if trace.info[n].get("microbatch") is None]
     return LogicalTrace(trace.run, trace.world_size, trace.meta, keep, {n: trace.info[n] for n in keep},
-                        _Subset(trace.tensors, set(keep)), trace.sizes)
+                        _Subset(trace.tensors, set(keep)), trace.sizes, trace.mode)
 
 
 class _Subset(Mapping[str, Assembled]):
@@ -103,6 +104,10 @@ class _Subset(Mapping[str, Assembled]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
+
+    def pieces(self, name: str) -> Any:
+        """The ranks' entries of a tensor (tracer.logical.StoredTensors.pieces; stats mode)."""
+        return self._tensors.pieces(name)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -150,6 +155,9 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         if c_dtype and r_dtype and c_dtype != r_dtype:
             raise TraceError(f"{name}: candidate traced it as {c_dtype} but the reference as {r_dtype}: "
                              "the runs use different precision recipes; compare runs of the same recipe")
+
+    if any(t.mode == "stats" for t in (reference, candidate, *perturbed)):
+        return compare_stats(reference, candidate, perturbed, policy)   # trace.mode=stats
 
     # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
     # (as measured on this or an earlier step's param_grad) may step either way under any honest

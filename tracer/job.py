@@ -247,14 +247,16 @@ class Session(JobInputs):
         if self._factory is not None:
             return self._factory(self.coords, self.sizes, m, dtensor)
         cfg = self.config
+        mode = str((cfg.spec.get("trace") or {}).get("mode") or "full")   # full | stats (tracer/stats.py)
         if dtensor:
             from tracer.integrations.dtensor import DTensorTracer
 
             return DTensorTracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes,
-                                 meta=m)
+                                 meta=m, mode=mode)
         from tracer.collector import Tracer
 
-        return Tracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes, meta=m)
+        return Tracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes, meta=m,
+                      mode=mode)
 
 
 _current: Session | None = None

@@ -41,6 +41,7 @@ class LogicalTrace:
     info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
     tensors: Mapping[str, Assembled]    # in the traced dtype; fp8 scaled and partial sums in float64
     sizes: dict[str, int] = field(default_factory=dict)   # mesh axis sizes of the run
+    mode: str = "full"                  # full | stats: statistics only (tracer/stats.py)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The logical tensor's shape, from the manifest (reads nothing): the lowest rank's local
@@ -66,14 +67,20 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
             raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
                              f"than rank {ranks[0].rank} (fingerprints {seen}); "
                              "the run directory mixes runs, rerun the job into a fresh store path")
+        modes = {str(rt.manifest.get("mode", "full")) for rt in ranks}
+        if len(modes) > 1:
+            raise TraceError(f"run '{run}' under {root} mixes trace modes {sorted(modes)} across ranks; "
+                             "rerun the job into a fresh store path")
+        (mode,) = modes
         stored = StoredTensors(run, ranks)
         info = stored.info
         # Execution order: by step, then the record order of the lowest rank holding the tensor (the
         # reference has a single rank, whose order is the one the comparison walks).
         order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
+        lazy = lazy or mode == "stats"
         tensors: Mapping[str, Assembled] = stored if lazy else {n: stored[n] for n in order}
         return LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, tensors,
-                            dict(stored.sizes))
+                            dict(stored.sizes), mode)
 
 
 class StoredTensors(Mapping[str, Assembled]):
@@ -93,11 +100,14 @@ class StoredTensors(Mapping[str, Assembled]):
             self._position.update({(rt.rank, f): i for i, f in enumerate(self._files[rt.rank])})
             listed = set(self._files[rt.rank])
             for e in rt.entries:
-                if e["file"] not in listed:
+                if "stats" in e:    # stats mode: no values stored (tracer/stats.py)
+                    pass
+                elif e.get("file") not in listed:
                     raise TraceError(f"run '{run}' rank {rt.rank}: manifest lists tensor '{e['key']}' in "
                                      f"part {e['file']}, which it does not commit; the trace is incomplete, "
                                      "rerun the job")
-                self._keys.setdefault((rt.rank, e["file"]), set()).add(e["key"])
+                else:
+                    self._keys.setdefault((rt.rank, e["file"]), set()).add(e["key"])
                 self._pieces.setdefault(e["name"], []).append((rt, e))
                 if e["name"] not in self.info or rt.rank < self.info[e["name"]]["rank"]:
                     self.info[e["name"]] = dict(e, rank=rt.rank)
@@ -115,9 +125,16 @@ class StoredTensors(Mapping[str, Assembled]):
     def __contains__(self, name: object) -> bool:
         return name in self._pieces
 
+    def pieces(self, name: str) -> list[tuple[RankTrace, dict[str, Any]]]:
+        """Every rank's manifest entry of a tensor (with its statistics in a stats-mode run)."""
+        return self._pieces[name]
+
     def __getitem__(self, name: str) -> Assembled:
         pieces = []
         for rt, e in self._pieces[name]:
+            if "stats" in e:
+                raise TraceError(f"{name}: run '{self.run}' recorded only its statistics (trace.mode=stats); "
+                                 "its values are not in the store")
             part = (rt.rank, e["file"])
             t = self._part(rt, part)[e["key"]]
             scale = float(e.get("scale", 1.0))

@@ -2,33 +2,31 @@
 
 Layout of a run:  <root>/<run>/rank00003/part-00000.safetensors ... manifest.json
 A rank's trace is complete only once its manifest exists; the manifest is written last, after
-every part file it lists, and carries a sha256 per part so truncation and corruption are caught.
-Writes happen on a background thread so a training step never waits on storage.
+every part file it lists, and carries a checksum per part (tracer/checksum.py) so truncation and
+corruption are caught. Writing: tracer/writer.py (a background thread; a step never waits on a file).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import json
-import queue
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import torch
-from safetensors.torch import save as st_save
 
+from tracer.checksum import algorithm_of, hasher
 from tracer.errors import TraceError
 from tracer.safetensors_views import safetensors_views
 
-FORMAT = "ttrace-trace/1"
+FORMAT = "ttrace-trace/2"   # /2: the manifest names its checksum ("checksum") and mode ("mode")
+READABLE = ("ttrace-trace/1", FORMAT)   # /1: sha256 per part, full mode
 MANIFEST = "manifest.json"
-READ_THREADS = 2   # part reads and sha256 release the GIL: one part is verified while the next is read
-
+READ_THREADS = 2   # part reads and checksums release the GIL: one part is verified while the next is read
+READ_CHUNK = 4 << 20   # a part is checksummed chunk by chunk as it is read, while the chunk is in cache
 
 
 def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -63,80 +61,6 @@ def rank_dir(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-class TraceWriter:
-    """Buffers recorded tensors and writes them as safetensors parts from a background thread."""
-
-    def __init__(self, root: str, run: str, rank: int, header: dict[str, Any], flush_bytes: int = 32 << 20):
-        self.fs, base = _fs(root)
-        self.dir = f"{base}/{run}/{rank_dir(rank)}"
-        self.fs.makedirs(self.dir, exist_ok=True)
-        self.header = header
-        self.flush_bytes = flush_bytes
-        self.entries: list[dict[str, Any]] = []
-        self.files: list[dict[str, Any]] = []
-        self._buf: dict[str, torch.Tensor] = {}
-        self._buf_bytes = 0
-        self._parts = 0
-        self._queue: queue.Queue[tuple[str, dict[str, torch.Tensor]] | None] = queue.Queue(maxsize=4)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name="ttrace-writer", daemon=True)
-        self._thread.start()
-
-    def add(self, entry: dict[str, Any], tensor: torch.Tensor) -> None:
-        """Queue one tensor (already detached and copied) under entry['name']."""
-        self._raise_if_failed()
-        key = entry["name"]
-        entry = dict(entry, key=key, file=self._part_name(self._parts),
-                     shape=list(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."))
-        self.entries.append(entry)
-        self._buf[key] = tensor.contiguous()
-        self._buf_bytes += tensor.numel() * tensor.element_size()
-        if self._buf_bytes >= self.flush_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._buf:
-            return
-        self._queue.put((self._part_name(self._parts), self._buf))
-        self._parts += 1
-        self._buf, self._buf_bytes = {}, 0
-
-    def close(self, incomplete: str | None = None) -> None:
-        """Flush, wait for every part, then commit the manifest (last). `incomplete`: why the job
-        stopped early (it raised); such a trace is kept for inspection but never compared."""
-        self.flush()
-        self._queue.put(None)
-        self._thread.join()
-        self._raise_if_failed()
-        manifest = dict(self.header, format=FORMAT, files=self.files, entries=self.entries)
-        if incomplete:
-            manifest["incomplete"] = incomplete
-        text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
-        with self.fs.open(f"{self.dir}/{MANIFEST}", "w") as f:
-            f.write(text)
-
-    def _part_name(self, i: int) -> str:
-        return f"part-{i:05d}.safetensors"
-
-    def _drain(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            name, tensors = item
-            try:
-                data = st_save(tensors)
-                with self.fs.open(f"{self.dir}/{name}", "wb") as f:
-                    f.write(data)
-                self.files.append({"file": name, "bytes": len(data),
-                                   "sha256": hashlib.sha256(data).hexdigest()})
-            except BaseException as e:  # surfaced to the training thread on the next add/close
-                self._error = e
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise TraceError(f"writing trace to {self.dir} failed: {self._error}") from self._error
-
-
 @dataclass
 class RankTrace:
     """One rank's committed manifest, with lazy, checksum-verified access to its tensors."""
@@ -157,10 +81,18 @@ class RankTrace:
         """One part (an entry of manifest["files"]), checksum-verified, as views into its bytes."""
         fs, base = _fs(self.root)
         path = f"{base}/{self.run}/{rank_dir(self.rank)}/{info['file']}"
+        algorithm = algorithm_of(self.manifest)
+        h = hasher(algorithm)
         try:
             with fs.open(path, "rb") as f:   # into one writable buffer the tensors will view
                 data = bytearray(info["bytes"])
-                got = f.readinto(data)
+                view, got = memoryview(data), 0
+                while got < len(data):
+                    n = f.readinto(view[got:got + READ_CHUNK])
+                    if not n:
+                        break
+                    h.update(view[got:got + n])
+                    got += n
                 extra = len(f.read(1))
         except FileNotFoundError:
             raise TraceError(f"trace part {path} listed in the manifest is missing; rerun the job "
@@ -168,10 +100,10 @@ class RankTrace:
         except OSError as e:   # e.g. the object store went away: no verdict from what was read so far
             raise TraceError(f"reading trace part {path} failed ({type(e).__name__}: {e}); check that the "
                              "store (store.url) is reachable, then rerun the comparison") from e
-        if got != info["bytes"] or extra or hashlib.sha256(data).hexdigest() != info["sha256"]:
+        if got != info["bytes"] or extra or h.hexdigest() != info.get(algorithm):
             size = f"{got}{'+' if extra else ''}"
             raise TraceError(f"trace part {path} is truncated or corrupt ({size} bytes, expected "
-                             f"{info['bytes']}; checksum mismatch); rerun the job '{self.run}'")
+                             f"{info['bytes']}; {algorithm} checksum mismatch); rerun the job '{self.run}'")
         return safetensors_views(data, path)
 
 
@@ -245,8 +177,9 @@ def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TraceError(f"manifest {path} is not valid JSON ({e}); the rank's trace is corrupt, "
                              f"rerun the job '{run}'") from None
-        if manifest.get("format") != FORMAT:
-            raise TraceError(f"manifest {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        if manifest.get("format") not in READABLE:
+            raise TraceError(f"manifest {path} has format {manifest.get('format')!r}, expected one of "
+                             f"{READABLE} (a newer ttrace wrote it: upgrade to read it)")
         if manifest.get("incomplete"):
             raise TraceError(f"run '{run}' rank {rank} did not finish: its job stopped early "
                              f"({manifest['incomplete']}) and its trace is partial; fix the job and rerun it")

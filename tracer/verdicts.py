@@ -41,6 +41,10 @@ class TensorResult:
     beyond: int = 0              #   how many are beyond k_elem x their own perturbed envelope, against
     beyond_noise: int = 0        #   the most any perturbed run has beyond the others' (x k, +1)
     replica_differ: int = 0      # elements in which two candidate replicas differ bitwise
+    # trace.mode=stats (tracer/stats_compare.py): rel_err is the norm's relative error, max_err the
+    # max-abs statistic's (judged against max_tolerance), scale_err the sum's; replica_differ counts
+    # replicas whose hash differs
+    max_tolerance: float = math.inf
 
 
 @dataclass

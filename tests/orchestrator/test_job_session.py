@@ -137,6 +137,27 @@ def test_a_session_never_attached_commits_an_empty_trace_that_says_so(tmp_path):
     assert manifest["entries"] == [] and manifest["meta"]["attached"] is False
 
 
+def test_trace_mode_stats_reaches_any_jobs_tracer_through_the_session(tmp_path):
+    """The mode lives in the tracer: a user's job gets it from its spec, with no code of its own."""
+    import json
+
+    from orchestrator.recipe import compose, job_spec
+
+    spec = job_spec(compose(["trace.mode=stats", "parallel=single"]), role="candidate",
+                    store_url=str(tmp_path))
+    tr = Session(JobConfig.from_env({"TTRACE_SPEC": json.dumps(spec), "RANK": "0", "WORLD_SIZE": "1"}))
+    m = tr.attach(model())
+    with tr.step(0):
+        with tr.microbatch(0):
+            m(torch.randn(2, 4)).sum().backward()
+        tr.record_param_grads(m)
+    tr.close()
+    manifest = json.loads((tmp_path / "candidate" / "rank00000" / "manifest.json").read_text())
+    assert manifest["mode"] == "stats" and manifest["files"] == []
+    grad = next(e for e in manifest["entries"] if e["name"] == "0/-/0.weight/param_grad")
+    assert grad["stats"]["sumsq"] == pytest.approx(float(m[0].weight.grad.double().square().sum()))
+
+
 def test_an_unknown_recipe_key_exits_2_naming_it(tmp_path):
     """`+key=...` bypasses Hydra's struct mode; a key ttrace would ignore must not yield a PASS."""
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "+framework._target_=x",
@@ -155,6 +176,7 @@ def test_an_unknown_recipe_key_exits_2_naming_it(tmp_path):
     (["job.entrypoint=no_such_module:main"], "cannot be imported"),
     (["job=torch_native", "tolerance.perturbation=gemm"], "built-in trainer only"),
     (["tolerance.perturbation=gemms"], "use auto, weights or gemm"),
+    (["trace.mode=fast"], "trace.mode='fast': use full"),
 ])
 def test_recipes_a_check_would_misread_are_refused(tmp_path, overrides, needle):
     from orchestrator.recipe import compose, validate

@@ -44,6 +44,18 @@ def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ra
     assert len(history) == len(clean.report["tensors"])
 
 
+def test_stats_mode_passes_the_clean_check_and_flags_the_unreduced_layernorm_grad(ray_cluster, workdir):
+    """trace.mode=stats (norm, max-abs, sum, hash per tensor) on a catalog bug and its clean twin."""
+    clean = check(workdir, "parallel=tp2_sp", "trace.mode=stats", "tracking.enabled=false")
+    assert clean.exit_code == 0, clean.report.get("first_divergence") or clean.message
+    buggy = check(workdir, "parallel=tp2_sp", "bug=sp_layernorm_grad_unreduced", "trace.mode=stats",
+                  "tracking.enabled=false")
+    assert buggy.verdict == "fail" and buggy.exit_code == 1
+    fd = buggy.report["first_divergence"]
+    assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
+    assert "trace.mode=stats" in buggy.report["localization_error"]   # no values to feed an isolation pass
+
+
 def test_row_parallel_bias_counted_per_rank_is_named_at_the_row_parallel_output(ray_cluster, workdir):
     res = check(workdir, "parallel=tp2", "bug=row_parallel_bias_per_rank", "localize=false")
     assert res.verdict == "fail"

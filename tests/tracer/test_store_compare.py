@@ -1,6 +1,5 @@
 """Store round-trip, integrity checks, and the comparison stage on hand-built traces (no Ray)."""
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from tracer import ModuleLayout, Shard, Tracer
+from tracer.checksum import hasher
 from tracer.compare import compare
 from tracer.errors import TraceError
 from tracer.logical import load_logical
@@ -36,7 +36,7 @@ X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
 
 def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
               replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a",
-              flush_bytes: int = 32 << 20, replica_ulp: bool = False) -> None:
+              flush_bytes: int = 32 << 20, replica_ulp: bool = False, mode: str = "full") -> None:
     """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
 
     fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
@@ -45,7 +45,7 @@ def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: boo
     for r in range(tp):
         m = Tiny(FULL_FC.chunk(tp, 0)[r] * fc_scale, FULL_OUT)
         tr = Tracer(str(root), run, r, coords={"tp": r}, sizes={"tp": tp}, meta={"fingerprint": fingerprint},
-                    flush_bytes=flush_bytes)
+                    flush_bytes=flush_bytes, mode=mode)
         tr.attach(m, PLAN)
         with tr.step(0):
             with tr.microbatch(microbatch):
@@ -157,7 +157,9 @@ def test_a_part_with_a_matching_checksum_but_a_broken_header_is_an_error(traces)
     part.write_bytes(bytes(data))
     manifest = json.loads((rank / "manifest.json").read_text())
     entry = next(f for f in manifest["files"] if f["file"] == part.name)
-    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    h = hasher(manifest["checksum"])
+    h.update(data)
+    entry[manifest["checksum"]] = h.hexdigest()
     (rank / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(TraceError, match="not a valid safetensors file"):
         load(traces, "reference")
@@ -341,3 +343,41 @@ def test_replicas_one_ulp_apart_fail_unless_the_recipe_declares_nondeterministic
     assert loose.verdict == "pass", loose.first_divergence
     write_run(traces, "honest", tp=2)
     assert compare(ref, load(traces, "honest", 2), [pert], TolerancePolicy()).verdict == "pass"
+
+
+# -- trace.mode=stats (tracer/stats.py, tracer/stats_compare.py) -------------------------------------
+
+def test_stats_mode_passes_a_clean_candidate_and_flags_a_scaled_or_skewed_one(tmp_path):
+    write_run(tmp_path, "reference", mode="stats")
+    write_run(tmp_path, "perturbed-0", fc_scale=1 + 2**-22, mode="stats")
+    write_run(tmp_path, "candidate", tp=2, mode="stats")
+    write_run(tmp_path, "buggy", tp=2, fc_scale=1.01, mode="stats")
+    write_run(tmp_path, "skewed", tp=2, replica_skew=0.5, mode="stats")
+    manifest = json.loads((tmp_path / "candidate" / "rank00000" / "manifest.json").read_text())
+    assert manifest["mode"] == "stats" and manifest["files"] == []   # no tensor values stored
+    ref, pert = load(tmp_path, "reference"), [load(tmp_path, "perturbed-0")]
+    clean = compare(ref, load(tmp_path, "candidate", 2), pert, TolerancePolicy())
+    assert clean.verdict == "pass", [r.reason for r in clean.results if not r.ok]
+    bad = compare(ref, load(tmp_path, "buggy", 2), pert, TolerancePolicy())
+    assert bad.verdict == "fail" and bad.first_divergence.name == "0/0/fc/output"
+    assert bad.first_divergence.rel_err == pytest.approx(0.01, rel=1e-3)   # the norm's relative error
+    skewed = compare(ref, load(tmp_path, "skewed", 2), pert, TolerancePolicy())
+    assert skewed.first_divergence.kind == "loss" and "replicas" in skewed.first_divergence.reason
+
+
+def test_a_stats_candidate_is_judged_against_a_full_reference(traces):
+    """A full-mode run contributes its reassembled tensors' statistics (stats of the same tensors)."""
+    write_run(traces, "candidate", tp=2, mode="stats")
+    write_run(traces, "buggy", tp=2, fc_scale=1.01, mode="stats")
+    ref, pert = load(traces, "reference"), [load(traces, "perturbed-0")]
+    assert compare(ref, load(traces, "candidate", 2), pert, TolerancePolicy()).verdict == "pass"
+    assert compare(ref, load(traces, "buggy", 2), pert, TolerancePolicy()).verdict == "fail"
+
+
+def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
+    write_run(tmp_path, "reference", mode="stats")
+    write_run(tmp_path, "perturbed-0", mode="stats")
+    write_run(tmp_path, "candidate", tp=2, mode="stats")
+    with pytest.raises(TraceError, match="bit-identical"):
+        compare(load(tmp_path, "reference"), load(tmp_path, "candidate", 2), [load(tmp_path, "perturbed-0")],
+                TolerancePolicy())

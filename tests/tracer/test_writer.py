@@ -1,0 +1,213 @@
+"""The trace writer's fast paths (issue 16): snapshots into pooled slabs, parts written from the slab,
+checksums old and new, the manifest committed last, the CUDA copy ordering (on CPU), and the
+statistics of trace.mode=stats combined across shards."""
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracer import Partial, Replicate, Shard
+from tracer.errors import TraceError
+from tracer.layouts import Layout
+from tracer.logical import load_logical
+from tracer.snapshot import DeviceCopier, Part, wait_for_copies
+from tracer.stats import combine, local_stats, of_tensor
+from tracer.store import read_run
+from tracer.writer import TraceWriter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 70, generator=g)
+    return {
+        "a": torch.randn(3, 5, generator=g),                       # odd byte counts: alignment in the slab
+        "h": torch.randn(7, generator=g).to(torch.bfloat16),
+        "q": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+        "d": torch.randn(2, 3, generator=g, dtype=torch.float64),
+        "i": torch.arange(5, dtype=torch.int64),
+        "s": torch.tensor(2.5),                                      # 0-dim
+        "e": torch.empty(0, 4),                                      # empty
+        "t": big.t(),                                                # not contiguous
+        "big": torch.randn(40, 40, generator=g),                     # larger than a slab
+    }
+
+
+def _write(root: Path, run: str, flush_bytes: int = 1024) -> dict[str, torch.Tensor]:
+    w = TraceWriter(str(root), run, 0, {"run": run, "rank": 0, "coords": {}, "sizes": {}, "meta": {}},
+                    flush_bytes=flush_bytes)
+    tensors = _tensors()
+    for seq, (name, t) in enumerate(tensors.items()):
+        w.add((name, name, "", "output", 0, None, seq, Replicate().to_json(), 1.0), t)   # writer.FIELDS
+    kept = {n: t.clone() for n, t in tensors.items()}
+    for t in tensors.values():   # changed after the record: the snapshot must not see it
+        if t.numel() and t.dtype.is_floating_point and t.dtype.itemsize > 1:
+            t.add_(1)
+    w.close()
+    return kept
+
+
+def test_parts_written_from_slabs_read_back_bit_for_bit_in_several_parts(tmp_path):
+    want = _write(tmp_path, "r")
+    manifest = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())
+    assert manifest["checksum"] == "xxh3_64" and len(manifest["files"]) > 2
+    got = load_logical(str(tmp_path), "r", 1).tensors
+    for name, t in want.items():
+        assert got[name].tensor.dtype == t.dtype and got[name].tensor.shape == t.shape, name
+        assert torch.equal(got[name].tensor.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def _to_legacy(rank: Path) -> None:
+    """Rewrite a rank's manifest as ttrace-trace/1 wrote it: sha256 per part, no checksum field."""
+    manifest = json.loads((rank / "manifest.json").read_text())
+    for f in manifest["files"]:
+        f.pop(manifest["checksum"])
+        f["sha256"] = hashlib.sha256((rank / f["file"]).read_bytes()).hexdigest()
+    del manifest["checksum"], manifest["mode"]
+    manifest["format"] = "ttrace-trace/1"
+    (rank / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "sha256"])
+def test_both_checksums_verify_and_a_corrupt_part_is_an_error_naming_it(tmp_path, algorithm):
+    want = _write(tmp_path, "r")
+    rank = tmp_path / "r" / "rank00000"
+    if algorithm == "sha256":
+        _to_legacy(rank)
+    got = load_logical(str(tmp_path), "r", 1).tensors
+    assert torch.equal(got["a"].tensor, want["a"])
+    part = rank / json.loads((rank / "manifest.json").read_text())["files"][1]["file"]
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0x01
+    part.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=f"{part}.*{algorithm} checksum mismatch"):
+        load_logical(str(tmp_path), "r", 1)
+
+
+def test_a_rank_that_dies_mid_step_leaves_no_committed_manifest(tmp_path):
+    """Parts already written, the process killed mid-step: the run is uncommitted, never partial data."""
+    script = textwrap.dedent(f"""
+        import glob, os, time, torch
+        from tracer.writer import TraceWriter
+        w = TraceWriter({str(tmp_path)!r}, "r", 0, {{"rank": 0, "coords": {{}}, "sizes": {{}}, "meta": {{}}}})
+        w.add(("0/-/m/output", "m", "", "output", 0, None, 0, {{}}, 1.0), torch.ones(1000))
+        w.flush()                     # step 0 done: its part goes to the writer thread
+        w.add(("1/-/m/output", "m", "", "output", 1, None, 1, {{}}, 1.0), torch.ones(1000))
+        while not glob.glob(w.dir + "/part-*.safetensors"):   # the writer thread writes step 0's part
+            time.sleep(0.01)
+        os._exit(9)                   # dies mid-step 1, as a killed rank does
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    rank = tmp_path / "r" / "rank00000"
+    assert list(rank.glob("part-*.safetensors")) and not (rank / "manifest.json").exists()
+    with pytest.raises(TraceError, match="no committed manifest for rank"):
+        read_run(str(tmp_path), "r", 1)
+
+
+class _FakeCuda:
+    """Stand-in for torch.cuda recording the calls the device copier makes (CPU tensors copy at once)."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        cuda = self
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                cuda.log.append(f"{self.name}.wait_stream({other.name})")
+
+            def wait_event(self, event):
+                cuda.log.append(f"{self.name}.wait_event({event.name})")
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name = f"e{Event.count}"
+
+            def record(self, stream):
+                cuda.log.append(f"{self.name}.record({stream.name})")
+
+            def synchronize(self):
+                cuda.log.append(f"{self.name}.synchronize")
+
+        self.Stream, self.Event, self._compute = Stream, Event, Stream(name="compute")
+
+    def current_stream(self, device=None):
+        return self._compute
+
+    def stream(self, s):
+        cuda = self
+
+        class Ctx:
+            def __enter__(self):
+                cuda.log.append(f"enter({s.name})")
+
+            def __exit__(self, *a):
+                cuda.log.append(f"exit({s.name})")
+        return Ctx()
+
+
+def test_device_copies_are_ordered_after_their_producer_and_before_later_writes_and_the_writer():
+    cuda = _FakeCuda()
+    copier, part = DeviceCopier(cuda), Part(torch.empty(64, dtype=torch.uint8))
+    src = torch.arange(4, dtype=torch.float32)
+    dst = part.slab[:16].view(torch.float32)
+    copier.copy(part, dst, src)
+    assert cuda.log == ["side.wait_stream(compute)", "enter(side)", "e1.record(side)", "exit(side)",
+                        "compute.wait_event(e1)"]
+    assert torch.equal(dst, src) and part.holds == [src]   # the source is held until the copy landed
+    copier.fence(part)
+    assert cuda.log[-1] == "e2.record(side)" and len(part.events) == 1
+    wait_for_copies(part)
+    assert cuda.log[-1] == "e2.synchronize" and part.holds == [] and part.events == []
+
+
+def test_statistics_combined_across_shards_equal_the_full_tensors():
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(6, 8, generator=g)
+    sizes = {"tp": 2, "cp": 2, "dp": 2}
+    want = of_tensor(full)
+    for layout in (Shard(0, "tp"), Layout(shard=((1, "tp"), (0, "cp"))), Replicate()):
+        pieces = []
+        for rank, coords in enumerate({"tp": t, "cp": c, "dp": d} for t in range(2) for c in range(2)
+                                      for d in range(2)):
+            (st,) = local_stats([layout.local(full, coords, sizes).contiguous()])
+            pieces.append((coords, st, rank, 1.0))
+        got = combine("x", layout, pieces, sizes)
+        assert got.numel == full.numel() and got.replica_differ == 0, layout
+        assert got.sumsq == pytest.approx(want.sumsq, rel=1e-6)
+        assert got.sum == pytest.approx(want.sum, abs=1e-5)
+        assert got.absmax == want.absmax and got.norm == pytest.approx(float(full.double().norm()), rel=1e-6)
+    # A replica one ulp off in one element: its hash differs, the norms hardly do.
+    coords = [{"tp": t, "dp": d} for t in range(2) for d in range(2)]
+    pieces = []
+    for rank, c in enumerate(coords):
+        t = Shard(0, "tp").local(full, c, sizes).clone()
+        if rank == 3:
+            t[0, 0] = torch.nextafter(t[0, 0], torch.tensor(math.inf))
+        pieces.append((c, local_stats([t])[0], rank, 1.0))
+    skew = combine("x", Shard(0, "tp"), pieces, {"tp": 2, "dp": 2})
+    assert skew.replica_differ == 1 and skew.replica_ranks == (2, 3) and skew.replica_err < 1e-6
+    with pytest.raises(TraceError, match="partial sums"):
+        combine("x", Partial("tp"), pieces, sizes)
+
+
+def test_scaled_statistics_are_those_of_the_scaled_tensor():
+    t = torch.tensor([1.0, -3.0, 2.0])
+    st = of_tensor(t).scaled(-0.5)
+    want = of_tensor(t * -0.5)
+    assert (st.sumsq, st.absmax, st.sum) == (want.sumsq, want.absmax, want.sum)

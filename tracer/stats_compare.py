@@ -1,0 +1,125 @@
+"""The comparison of `trace.mode=stats` runs (docs/stats_mode.md): each logical tensor's statistics
+(tracer/stats.py) against the reference's, with tolerances from the perturbed runs' own deviations.
+
+Per tensor, three relative errors of the candidate c against the reference r:
+  norm    | ||c|| - ||r|| | / ||r||
+  absmax  | max|c| - max|r| | / max|r|
+  sum     | sum(c) - sum(r) | / (sqrt(numel) ||r||)   (sqrt(n) ||r|| >= ||r||_1 bounds any sum; a sum
+                                                       near zero would make a relative error meaningless)
+and each statistic's noise, the largest of the same error over the perturbed runs (pooled over a
+step's microbatches like the full comparison), gives its tolerance: max(k x noise, floor_ulps x u).
+Replicas must agree bitwise (their hashes; tolerance.replicas=tolerance: their norms within the
+norm tolerance). A full-mode run compared with stats-mode runs contributes its tensors' statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tracer.errors import TraceError
+from tracer.layouts import Layout
+from tracer.logical import LogicalTrace
+from tracer.stats import Stat, combine, of_tensor
+from tracer.tolerance import TolerancePolicy
+from tracer.verdicts import Comparison, TensorResult
+
+STATS = ("norm", "absmax", "sum")
+
+
+def logical_stats(trace: LogicalTrace, name: str) -> Stat:
+    """A tensor's logical statistics: combined from the ranks' records in a stats-mode run (partial
+    sums, stored in full, reassembled), computed from the reassembled tensor in a full-mode run."""
+    pieces = getattr(trace.tensors, "pieces", None)
+    if trace.mode == "stats" and pieces is not None:
+        got = pieces(name)
+        if all("stats" in e for _, e in got):
+            return combine(name, Layout.from_json(trace.info[name]["layout"]),
+                           [(rt.manifest["coords"], e["stats"], rt.rank, float(e.get("scale", 1.0)))
+                            for rt, e in got], trace.sizes)
+    assembled = trace.tensors[name]
+    st = of_tensor(assembled.tensor)
+    st.replica_differ, st.replica_err = assembled.replica_differ, assembled.replica_err
+    st.replica_ranks = assembled.replica_ranks
+    return st
+
+
+def _ratio(num: float, den: float) -> float:
+    if num == 0:
+        return 0.0
+    return num / den if den > 0 else math.inf
+
+
+def errors(x: Stat, r: Stat, norm: float, absmax: float) -> tuple[float, float, float]:
+    """(norm, absmax, sum) relative errors of x against r; `norm`/`absmax` are the scales (||r||, or
+    the perturbed runs' largest where the reference is exactly zero)."""
+    return (_ratio(abs(x.norm - r.norm), norm), _ratio(abs(x.absmax - r.absmax), absmax),
+            _ratio(abs(x.sum - r.sum), norm * math.sqrt(max(1, r.numel))))
+
+
+def compare_stats(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
+                  policy: TolerancePolicy) -> Comparison:
+    """Judge every reference tensor's statistics (the runs were matched by tracer.compare.compare)."""
+    order = reference.order
+    ref = {n: logical_stats(reference, n) for n in order}
+    pert = [{n: logical_stats(p, n) for n in order} for p in perturbed]
+    still = [p.run for p, ps in zip(perturbed, pert, strict=True)
+             if all(ps[n].hash == ref[n].hash for n in order)]
+    if still:
+        raise TraceError(f"perturbed reference run(s) {still} are bit-identical to reference "
+                         f"'{reference.run}' in all {len(order)} tensors: the perturbation did not apply, so "
+                         "no tolerance can be estimated (a job must call tr.attach(model) after its weights "
+                         "are set)")
+    for n in order:
+        if not ref[n].finite:
+            raise TraceError(f"{n}: the reference itself has non-finite values; the recipe diverges even on "
+                             "one device, fix it before comparing")
+        if any(not ps[n].finite for ps in pert):
+            raise TraceError(f"{n}: a perturbed reference run has non-finite values where the reference has "
+                             "none; no tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
+
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+    family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
+    scales, noise, pooled = {}, {}, {}
+    for n in order:
+        r = ref[n]
+        scales[n] = (r.norm or max((ps[n].norm for ps in pert), default=0.0),
+                     r.absmax or max((ps[n].absmax for ps in pert), default=0.0))
+        noise[n] = [max((errors(ps[n], r, *scales[n])[i] for ps in pert), default=0.0) for i in range(3)]
+        f = pooled.get(family(n), [0.0, 0.0, 0.0])
+        pooled[family(n)] = [max(a, b) for a, b in zip(f, noise[n], strict=True)]
+
+    depth_of: dict[str, int] = {}
+    results: list[TensorResult] = []
+    for index, n in enumerate(order):
+        e, r = reference.info[n], ref[n]
+        c = logical_stats(candidate, n)
+        depth = depth_of.setdefault(e["module"], len(depth_of))
+        tol = [policy.tolerance([x], e["dtype"]) for x in pooled[family(n)]]
+        err = errors(c, r, *scales[n]) if c.finite else (math.inf,) * 3
+        res = TensorResult(
+            name=n, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"], step=e["step"],
+            microbatch=e["microbatch"], index=index, rel_err=err[0], max_err=err[1], cosine=math.nan,
+            nonfinite=0 if c.finite else 1, replica_err=c.replica_err, tolerance=tol[0], noise=noise[n][0],
+            max_noise=noise[n][1], ok=True, replica_differ=c.replica_differ, scale_err=err[2],
+            scale_tolerance=tol[2], max_tolerance=tol[1], elem_tolerance=math.inf,
+            analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")))
+        if c.numel != math.prod(reference.shape(n)):
+            res.ok, res.reason = False, (f"shape: the candidate reassembles to {c.numel} elements, the "
+                                         f"reference has {math.prod(reference.shape(n))}")
+        elif not c.finite:
+            res.ok, res.reason = False, "non-finite values (a statistic is inf or nan)"
+        elif policy.replicas == "exact" and c.replica_differ:
+            res.ok, res.reason = False, (f"replicas on ranks {c.replica_ranks} differ bitwise (their hashes; "
+                                         f"norms {c.replica_err:.3g} apart)")
+        elif c.replica_err > tol[0]:
+            res.ok, res.reason = False, (f"replicas on ranks {c.replica_ranks} disagree (norms "
+                                         f"{c.replica_err:.3g} apart > {tol[0]:.3g})")
+        else:
+            for stat, x, t in zip(STATS, err, tol, strict=True):
+                if x > t:
+                    res.ok, res.reason = False, f"{stat}: relative error {x:.3g} > tolerance {t:.3g}"
+                    break
+        results.append(res)
+    first = next((r for r in results if not r.ok), None)
+    return Comparison("pass" if first is None else "fail", results, first)

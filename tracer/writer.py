@@ -1,0 +1,215 @@
+"""The trace writer: the training thread snapshots tensors into pooled buffers (tracer/snapshot.py);
+a background thread serializes, checksums and writes them; the manifest is committed last.
+
+Per tensor the training thread does one copy into the current part's slab and appends one manifest
+entry. At each step's end (or when the slab is full) the part goes on a bounded queue; the writer
+thread writes it as a safetensors file straight from the slab's bytes (header, then the tensors
+grouped by element size, no intermediate serialization), checksums it on the way (xxh3_64,
+tracer/checksum.py; the hashing and file writes release the GIL) and gives the slab back to the pool.
+
+Back-pressure: at most `max_pending` parts wait for the writer. When storage is slower than the
+trace is produced, `flush` blocks the training thread until a part is written: memory stays bounded
+(about (max_pending + 2) x flush_bytes) and no data is dropped. A step never otherwise waits on a file.
+
+Crash safety: the manifest is written by `close` only, after every part it lists has been written;
+a rank that dies mid-step leaves part files but no manifest, which the comparison reports as an
+uncommitted rank (tracer.store.read_run). A job that raises commits its manifest marked incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from tracer.checksum import WRITTEN, hasher
+from tracer.errors import TraceError
+from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
+from tracer.stats import MODES, PARTIAL_IN_FULL, local_stats
+from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
+
+# A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
+# (full) or stats (trace.mode=stats).
+FIELDS = ("name", "module", "module_type", "kind", "step", "microbatch", "seq", "layout", "scale")
+
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
+             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class TraceWriter:
+    """Snapshots recorded tensors and writes them as safetensors parts from a background thread."""
+
+    def __init__(self, root: str, run: str, rank: int, header: dict[str, Any], flush_bytes: int = 32 << 20,
+                 *, mode: str = "full", max_pending: int = 4, copier: DeviceCopier | None = None):
+        if mode not in MODES:
+            raise ValueError(f"trace mode {mode!r}: use one of {MODES}")
+        self.fs, base = _fs(root)
+        self.dir = f"{base}/{run}/{rank_dir(rank)}"
+        self.fs.makedirs(self.dir, exist_ok=True)
+        self.header, self.mode = header, mode
+        self._full = mode == "full"
+        # Per record: (FIELDS values, shape, dtype, part file or None); manifest entries are built at
+        # close, off the training thread's path.
+        self._rows: list[tuple[tuple, torch.Size, torch.dtype, str | None]] = []
+        self._stats: dict[int, dict[str, Any]] = {}   # row -> statistics (stats mode; writer thread)
+        self.files: list[dict[str, Any]] = []
+        self._pool = SlabPool(flush_bytes, keep=max_pending + 2)
+        if copier is None and torch.cuda.is_available():
+            copier = DeviceCopier()
+        self._copier = copier
+        self._part: Part | None = None
+        self._parts = 0
+        self._queue: queue.Queue[tuple[str, Part] | None] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="ttrace-writer", daemon=True)
+        self._thread.start()
+
+    def add(self, fields: tuple, tensor: torch.Tensor) -> None:
+        """Snapshot one tensor with its record's FIELDS values (the caller may change the tensor
+        afterwards). On the training thread's path for every traced tensor: kept lean."""
+        if self._error is not None:
+            self._raise_if_failed()
+        tensor = tensor.detach()
+        keep = self._full or bool(PARTIAL_IN_FULL and fields[7].get("partial"))
+        row = len(self._rows)
+        part = self._part
+        if part is None or not snapshot(part, row, tensor, self._copier, keep):
+            if part is not None:
+                self.flush()
+            pinned = tensor.is_cuda and self._copier is not None
+            part = self._part = Part(self._pool.take(tensor.numel() * tensor.element_size(), pinned))
+            snapshot(part, row, tensor, self._copier, keep)
+        self._rows.append((fields, tensor.shape, tensor.dtype, _NAMES[self._parts] if keep else None))
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        """The manifest entries of every record so far (complete once `close` joined the thread)."""
+        out = []
+        for i, (fields, shape, dtype, file) in enumerate(self._rows):
+            e = dict(zip(FIELDS, fields, strict=True), key=fields[0], shape=list(shape),
+                     dtype=str(dtype).removeprefix("torch."))
+            if file is not None:
+                e["file"] = file
+            if i in self._stats:
+                e["stats"] = self._stats[i]
+            out.append(e)
+        return out
+
+    def flush(self) -> None:
+        """Hand the current part to the writer thread (blocks only when max_pending parts wait)."""
+        part, self._part = self._part, None
+        if part is None or not part.slots:
+            if part is not None:
+                self._pool.give(part.slab)
+            return
+        if self._copier is not None and part.holds:
+            self._copier.fence(part)
+        self._queue.put((_NAMES[self._parts], part))
+        self._parts += 1
+
+    def close(self, incomplete: str | None = None) -> None:
+        """Flush, wait for every part, then commit the manifest (last). `incomplete`: why the job
+        stopped early (it raised); such a trace is kept for inspection but never compared."""
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+        manifest = dict(self.header, format=FORMAT, checksum=WRITTEN, mode=self.mode, files=self.files,
+                        entries=self.entries)
+        if incomplete:
+            manifest["incomplete"] = incomplete
+        text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
+        with self.fs.open(f"{self.dir}/{MANIFEST}", "w") as f:
+            f.write(text)
+
+    def _drain(self) -> None:
+        # This thread's torch work (statistics, pre-faulting) on one core: intra-op threads are
+        # per calling thread, so the training thread keeps its own. One slab fills while earlier
+        # steps' are written (pinned slabs are allocated on first use, when the device is known).
+        torch.set_num_threads(1)
+        self._pool.warm(3)
+        while (item := self._queue.get()) is not None:
+            name, part = item
+            if self._error is not None:
+                continue
+            try:
+                wait_for_copies(part)
+                self._record_stats(part)
+                kept = [Slot._make(s) for s in part.slots if s[5]]
+                if kept:
+                    self._write(name, part, kept)
+            except BaseException as e:  # surfaced to the training thread on the next add/close
+                self._error = e
+            finally:
+                self._pool.give(part.slab)
+
+    def _record_stats(self, part: Part) -> None:
+        """Stats mode: each summarized slot's statistics, from 1-D views of the slab (one split per run
+        of back-to-back slots of one dtype) and its bytes (hashed in place)."""
+        summarized = [Slot._make(s) for s in part.slots if not s[5]]
+        if not summarized:
+            return
+        raw = part.slab.numpy()
+        views: list[torch.Tensor] = []
+        run: list[Slot] = []
+        for i, s in enumerate(summarized):
+            run.append(s)
+            nxt = summarized[i + 1] if i + 1 < len(summarized) else None
+            if nxt is None or nxt.dtype != s.dtype or nxt.offset != s.offset + s.nbytes:
+                total = sum(r.nbytes for r in run)
+                flat = part.slab[run[0].offset:run[0].offset + total].view(s.dtype)
+                views += flat.split([r.nbytes // s.dtype.itemsize for r in run])
+                run = []
+        stats = local_stats(views, [raw[s.offset:s.offset + s.nbytes] for s in summarized], flat=True)
+        for slot, st in zip(summarized, stats, strict=True):
+            self._stats[slot.row] = st
+
+    def _write(self, name: str, part: Part, slots: list[Slot]) -> None:
+        """One safetensors file from the slab: tensors grouped by element size (each stays aligned,
+        and the data has no holes), contiguous slab ranges written in one call."""
+        order = sorted(slots, key=lambda s: (-s.dtype.itemsize, s.offset))
+        header: dict[str, Any] = {}
+        ranges: list[list[int]] = []
+        pos = 0
+        for s in order:
+            header[self._rows[s.row][0][0]] = {"dtype": _ST_NAMES[s.dtype], "shape": list(s.shape),
+                                      "data_offsets": [pos, pos + s.nbytes]}
+            pos += s.nbytes
+            if ranges and ranges[-1][1] == s.offset:
+                ranges[-1][1] += s.nbytes
+            else:
+                ranges.append([s.offset, s.offset + s.nbytes])
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        head = struct.pack("<Q", len(text)) + text
+        raw = part.slab.numpy()
+        h = hasher(WRITTEN)
+        h.update(head)
+        with self.fs.open(f"{self.dir}/{name}", "wb") as f:
+            f.write(head)
+            for a, b in ranges:
+                if b > a:
+                    view = memoryview(raw[a:b])
+                    h.update(view)
+                    f.write(view)
+        self.files.append({"file": name, "bytes": len(head) + pos, WRITTEN: h.hexdigest()})
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TraceError(f"writing trace to {self.dir} failed: {self._error}") from self._error
+
+
+class _PartNames(dict):
+    """Part file names by index, each formatted once."""
+
+    def __missing__(self, i: int) -> str:
+        name = self[i] = f"part-{i:05d}.safetensors"
+        return name
+
+
+_NAMES = _PartNames()
