@@ -149,7 +149,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "model": model, "precision": recipe["precision"], "data": data,
         "optim": recipe["optim"], "steps": recipe["steps"], "seed": recipe["seed"],
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
-        "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
+        "bug": {**recipe["bug"], "name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
                   "perturb": perturb, "reference": reference, "enabled": True,
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
