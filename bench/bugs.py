@@ -9,6 +9,9 @@ Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
   loss shows at   the first training step from which the buggy loss stays away from the clean loss
                   by more than the seed-to-seed spread of clean runs for 10 steps (or "not within N")
 
+A late bug (Bug.first_step > 0) is checked at its `early` recipe (it acts at step 1 of the 2-step
+check) and its loss curves run at its `late` recipe, where it first acts at step first_step.
+
 All checks run in one `run_checks` call on one Ray cluster (each distinct reference computed once);
 the loss curves run untraced, as plain training jobs, on the same cluster.
 """
@@ -66,7 +69,7 @@ def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> d
 
     base_seed = recipe.compose([*COMMON, *extra])["seed"]
     for name in bugs:
-        trig = list(CATALOG[name].trigger)
+        trig = _curve_trigger(name)
         job(name, recipe.compose([*trig, f"bug={name}", *COMMON, *extra]))
         for s in range(seeds):
             key = f"clean:{' '.join(trig)}:{s}"
@@ -83,7 +86,7 @@ def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> d
 
     out: dict[str, Any] = {}
     for name in bugs:
-        trig = " ".join(CATALOG[name].trigger)
+        trig = " ".join(_curve_trigger(name))
         buggy = curve(name)
         clean = [curve(f"clean:{trig}:{s}") for s in range(seeds)]
         if buggy is None or any(c is None for c in clean):
@@ -99,6 +102,12 @@ def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> d
                      "buggy": buggy, "clean": clean[0], "spread": spread,
                      "final_gap": gap[-1], "final_spread": spread[-1]}
     return out
+
+
+def _curve_trigger(name: str) -> list[str]:
+    """The candidate overrides of a bug's loss curves: its trigger, a late bug at its real step."""
+    bug = CATALOG[name]
+    return [*bug.trigger, *bug.late]
 
 
 def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int) -> dict[str, Any]:
@@ -125,6 +134,7 @@ def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: in
         row["loss_first_step"] = loss.get("first_step")
         row["loss_error"] = loss.get("error")
     row["loss_steps"] = steps
+    row["acts_from_step"] = bug.first_step   # in the loss curves (late bugs: their real step)
     return row
 
 
@@ -142,6 +152,8 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
         loss = r.get("loss_first_step", "-")
         if "loss_first_step" in r and loss is None:
             loss = f"not within {r['loss_steps']}" if not r.get("loss_error") else "error"
+        if r.get("acts_from_step"):
+            loss = f"{loss} (acts from {r['acts_from_step']})"
         lines.append(f"| {r['bug']} | `{r['trigger']}` | {'yes' if r['detected'] else '**NO**'} | "
                      f"{r.get('first_divergence', r.get('error', '-'))} | "
                      f"{r.get('culprit') or 'unresolved'} | "

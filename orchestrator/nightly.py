@@ -30,8 +30,9 @@ MATRIX_FILE = Path(__file__).resolve().parents[1] / "recipes" / "sweep" / "night
 
 
 def trigger_of(bug: Any) -> list[str]:
-    """The recipe overrides that trigger a catalog bug: Bug.trigger, else the `(trigger: k=v ...)`
-    and `model=` / `precision=` requirements written in Bug.needs."""
+    """The recipe overrides that trigger a catalog bug within a 2-step check: Bug.recipe (a late bug
+    at its `early` step), else the `(trigger: k=v ...)` and `model=` / `precision=` requirements
+    written in Bug.needs."""
     if bug.trigger:
         return list(bug.recipe)
     m = re.search(r"trigger:\s*([^)]*)", bug.needs)
@@ -69,7 +70,8 @@ def plan(argv: list[str]) -> tuple[str, list[dict[str, Any]], list[str], str]:
             raise TTraceError(f"bugs={b}: not in workloads/bugs.py CATALOG ({sorted(CATALOG)})")
         trigger = trigger_of(bug)
         entries.append({"label": f"bug-{b}", "expect": "fail", "pattern": bug.expect,
-                        "overrides": [*trigger, f"bug={b}", *shared], "no_trigger": not trigger})
+                        "overrides": [*trigger, f"bug={b}", *shared], "no_trigger": not trigger,
+                        "late_step": bug.first_step})
     return name, entries, shared, opts.get("output", cfg.get("output", "nightly"))
 
 
@@ -102,6 +104,8 @@ def judge(entry: dict[str, Any], report: dict[str, Any] | None) -> tuple[str, st
     how += f" (blame window {window})" if window else ""
     if entry.get("pattern") and not fnmatch.fnmatch(where, entry["pattern"]):
         return "regression", f"bug MISLOCALIZED: {how}, expected {entry['pattern']}"
+    if entry.get("late_step"):   # its `early` recipe: at its real step only a scan meets it
+        how += f" (late bug, moved to step 1; it acts at step {entry['late_step']} in a real run)"
     if not entry.get("pattern"):
         return "ok", f"caught: {how} (localization not checked: Bug.expect is empty)"
     return "ok", f"caught: {how}"

@@ -165,7 +165,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         # Only the reference writes its final state (tracer/job_inputs.py save_checkpoint).
         "checkpoint": dict(recipe.get("checkpoint") or {}) if role == "reference" else {},
         "parallel": dict(parallel if parallel is not None else recipe["parallel"]),
-        "bug": {"name": bug if bug is not None else recipe["bug"]["name"]},
+        "bug": {**recipe["bug"], "name": bug if bug is not None else recipe["bug"]["name"]},
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
                   "perturb": perturb, "reference": reference, "enabled": True,
                   "mode": (recipe.get("trace") or {}).get("mode") or "full",

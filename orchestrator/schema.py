@@ -69,6 +69,7 @@ class Precision:
 @dataclass
 class Bug:
     name: str = "none"               # a catalog switch of the built-in jobs (workloads/bugs.py)
+    from_step: int = 100             # late bugs that read it: the step they first act at (`ttrace bugs NAME`)
 
 
 @dataclass
@@ -125,6 +126,8 @@ class Checkpoint:
 class Optim:
     lr: float = 1e-3
     clip_grad: float = 1.0
+    lr_decay_from: int | None = None # step from which the LR decays linearly (null: constant LR)
+    lr_decay_steps: int = 100        # steps of that decay, down to 0.1 x lr (workloads/lr_schedule.py)
 
 
 @dataclass

@@ -27,12 +27,32 @@ class Bug:
     # The reference runs the candidate's code, bug included. A bug a single device shares needs a
     # reference that differs where the bug lives: these overrides (recipe `reference.*`) give it.
     reference: tuple[str, ...] = ()
+    source: str = ""             # where the real bug was reported
+    # Late bugs (issue 18) stay silent until a step the recipe sets. `late` puts that step where a real
+    # run meets it (`first_step`): only a scan over many steps finds it there. `early` moves it to step 1,
+    # so a 2-step check (nightly, bench-bugs: `recipe`) runs it as an ordinary check.
+    late: tuple[str, ...] = ()
+    early: tuple[str, ...] = ()
+    first_step: int = 0          # the step it first acts at under `late` (0: from the first step)
+
+    @property
+    def is_late(self) -> bool:
+        return self.first_step > 0
+
+    @property
+    def triggered(self) -> tuple[str, ...]:
+        """The candidate's overrides that make it act within a 2-step check: its trigger (late: at step 1)."""
+        return (*self.trigger, *self.early)
 
     @property
     def recipe(self) -> tuple[str, ...]:
         """The overrides of a check that must catch it: its trigger, and the reference it needs."""
-        return (*self.trigger, *self.reference)
-    source: str = ""             # where the real bug was reported
+        return (*self.triggered, *self.reference)
+
+    @property
+    def scan_recipe(self) -> tuple[str, ...]:
+        """The overrides of a run that meets it at its real step, `first_step` (late bugs)."""
+        return (*self.trigger, *self.late, *self.reference)
 
 
 NONE = "none"
@@ -167,6 +187,37 @@ CATALOG.update({b.name: b for b in (
 )})
 
 
+# Issue 18: late bugs, silent for their first steps (their `early` recipe makes a 2-step check meet them).
+CATALOG.update({b.name: b for b in (
+    Bug("late_grad_bucket_stale",
+        "from step bug.from_step one data-parallel grad bucket (bucket 1) all-reduces the buffer it was "
+        "filled with at the previous step, as after a re-bucketing whose bucket views still point at the "
+        "old buffer: its params step with the previous step's grads (workloads/grad_sync.py DPGradBuckets)",
+        0, "dp>1 (trigger: parallel=tp2_dp2); acts from step bug.from_step (default 100)",
+        "layers.3.mlp.fc1 param_grad at step bug.from_step: with gpt_tiny under tp2, DP bucket 1 (buckets "
+        "of BUCKET_CAP=8192 elements in reverse registration order, as DDP fills them) holds exactly the "
+        "last layer's fc1 weight and bias",
+        trigger=("parallel=tp2_dp2",), expect="layers.3.mlp.fc1/param_grad",
+        early=("bug.from_step=1",), late=("bug.from_step=100",), first_step=100,
+        source="https://github.com/pytorch/pytorch/pull/43307 (DDP: after the bucket views were "
+               "re-initialized, grads were no longer copied into the all-reduced bucket contents; wrong "
+               "only from the second iteration on); stale grad buffer: "
+               "https://github.com/NVIDIA/Megatron-LM/pull/4609"),
+    Bug("lr_schedule_local_samples",
+        "the LR scheduler is advanced by this rank's samples (micro_batch x local microbatches) instead of "
+        "the global batch, so under DP the decay begins dp times late: the LR is right until the decay "
+        "boundary optim.lr_decay_from, then stays undecayed",
+        0, "dp>1 and an LR decay, optim.lr_decay_from (trigger: parallel=tp2_dp2)",
+        "params after the update of step optim.lr_decay_from (param kind): every parameter steps with the "
+        "undecayed LR, so the first one recorded (embedding.word) is the honest answer",
+        trigger=("parallel=tp2_dp2",), expect="embedding.word/param",
+        early=("optim.lr_decay_from=1",), late=("optim.lr_decay_from=100",), first_step=100,
+        source="https://github.com/huggingface/diffusers/pull/8312 (the LR decayed num_processes times "
+               "slower than expected); Megatron-LM train_step steps its scheduler by "
+               "num_microbatches x micro_batch_size x data_parallel_size samples"),
+)})
+
+
 # Bugs injected into third-party frameworks by patching the real function at fault
 # (workloads/adapters/<job>.py); their `trigger` includes the `job=` option.
 # -- megatron-core
@@ -216,8 +267,21 @@ CATALOG.update({b.name: b for b in (
 )})
 
 
+DEFAULT_FROM_STEP = 100   # recipe bug.from_step: the step a late bug that reads it first acts at
+
+
 def bug_name(spec: Mapping[str, Any]) -> str:
     return str((spec.get("bug") or {}).get("name", NONE) or NONE)
+
+
+def from_step(spec: Mapping[str, Any]) -> int:
+    """The spec's bug.from_step (late bugs that read it: their `late` recipe sets it)."""
+    return int((spec.get("bug") or {}).get("from_step", DEFAULT_FROM_STEP))
+
+
+def reads_from_step(name: str) -> bool:
+    bug = CATALOG.get(name)
+    return bug is not None and any(o.startswith("bug.from_step=") for o in bug.late)
 
 
 def active(bug: str, name: str) -> bool:

@@ -68,6 +68,9 @@ class Config:
     lr: float
     clip_grad: float
     timeout_s: float
+    bug_from_step: int = bugs.DEFAULT_FROM_STEP   # the step a late bug reading bug.from_step first acts at
+    lr_decay_from: int | None = None   # LR schedule (workloads/lr_schedule.py): None = constant LR
+    lr_decay_steps: int = 100
 
     @property
     def micro_batches_local(self) -> int:
@@ -119,7 +122,10 @@ def parse(spec: Mapping[str, Any]) -> Config:
         global_batch=_get(data, "data", "global_batch", int),
         micro_batch=_get(data, "data", "micro_batch", int),
         lr=_get(optim, "optim", "lr", float), clip_grad=float(optim.get("clip_grad", 0.0) or 0.0),
-        timeout_s=float(spec.get("timeout_s", 300)))
+        timeout_s=float(spec.get("timeout_s", 300)), bug_from_step=bugs.from_step(spec),
+        lr_decay_from=None if optim.get("lr_decay_from") is None else _get(optim, "optim", "lr_decay_from",
+                                                                            int),
+        lr_decay_steps=int(optim.get("lr_decay_steps", 100)))
 
 
 def validate(spec: Mapping[str, Any]) -> None:
@@ -169,6 +175,14 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
          "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
+    need(cfg.bug_from_step >= 1, f"bug.from_step={cfg.bug_from_step} must be >= 1 (the stale state is the "
+                                 "previous step's)")
+    need(cfg.bug_from_step == bugs.DEFAULT_FROM_STEP or cfg.bug == bugs.NONE or bugs.reads_from_step(cfg.bug),
+         f"bug.from_step={cfg.bug_from_step} is read by late bugs only ("
+         f"{', '.join(n for n in bugs.CATALOG if bugs.reads_from_step(n))}); bug={cfg.bug} would ignore it")
+    need(cfg.lr_decay_from is None or cfg.lr_decay_from >= 0,
+         f"optim.lr_decay_from={cfg.lr_decay_from} must be a step >= 0 (or null: constant LR)")
+    need(cfg.lr_decay_steps >= 1, f"optim.lr_decay_steps={cfg.lr_decay_steps} must be >= 1")
     _validate_variants(cfg, need)
     fault = spec.get("fault") or {}
     need(fault.get("kind", "none") in faults.KINDS,

@@ -1,5 +1,6 @@
-"""Grad reductions for parameters that live on several ranks of a model-parallel group as copies of
-one logical tensor (beyond DP and SP, which finalize_grads handles):
+"""Grad reductions: the data-parallel all-reduce in buckets (DPGradBuckets, called by finalize_grads),
+and those of parameters that live on several ranks of a model-parallel group as copies of one logical
+tensor (beyond DP and SP):
 
 kv_replicated     GQA KV projection shared by the tp/kv_heads TP ranks of one KV head (workloads/llama.py):
                   each copy's grad is partial (its own query heads only): all-reduce over those ranks.
@@ -59,12 +60,61 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group: Group) -> None:
     """Sum a list of grads over `group` in one flat buffer (same sums as per-tensor, fewer calls)."""
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    _reduce_flat(grads, torch.cat([g.reshape(-1) for g in grads]), group)
+
+
+def _reduce_flat(grads: list[torch.Tensor], flat: torch.Tensor, group: Group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+# -- data-parallel grad buckets ------------------------------------------------------------------
+BUCKET_CAP = 8192    # elements per DP grad bucket (DDP's bucket_cap_mb, scaled to the tiny models)
+STALE_BUCKET = 1     # the bucket bug late_grad_bucket_stale keeps stale
+
+
+def bucket_indices(numels: list[int], cap: int = BUCKET_CAP) -> list[list[int]]:
+    """DDP's bucket assignment: params in reverse registration order (roughly the order backward
+    produces their grads), a bucket closed once it holds at least `cap` elements."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in reversed(range(len(numels))):
+        cur.append(i)
+        size += numels[i]
+        if size >= cap:
+            out.append(cur)
+            cur, size = [], 0
+    return out + [cur] if cur else out
+
+
+class DPGradBuckets:
+    """The data-parallel grad all-reduce, one coalesced all-reduce per bucket (DDP / Megatron DDP).
+    Bucketing changes no sum: each element is still the sum of its DP replicas.
+
+    Bug late_grad_bucket_stale: from step `from_step` bucket STALE_BUCKET all-reduces the buffer it was
+    filled with at the previous step, as after a re-bucketing whose bucket views still point at the old
+    buffer (this step's grads are never copied in)."""
+
+    def __init__(self, bug: str, from_step: int):
+        self.stale_bug, self.from_step = bugs.active(bug, "late_grad_bucket_stale"), from_step
+        self.kept: torch.Tensor | None = None   # the stale bucket's buffer as the previous step filled it
+
+    def all_reduce(self, grads: list[torch.Tensor], group: Group, step: int) -> None:
+        if not grads or group is None or dist.get_world_size(group) == 1:
+            return
+        for b, idx in enumerate(bucket_indices([g.numel() for g in grads])):
+            bucket = [grads[i] for i in idx]
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            if self.stale_bug and b == STALE_BUCKET:
+                fresh = flat.clone()
+                if step >= self.from_step and self.kept is not None:
+                    flat = self.kept   # BUG late_grad_bucket_stale: last step's grads are reduced again
+                self.kept = fresh
+            _reduce_flat(bucket, flat, group)
 
 
 def _marked(model: nn.Module, attr: str) -> list[torch.Tensor]:

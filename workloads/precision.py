@@ -240,6 +240,10 @@ class MasterWeightOptimizer:
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.inner = make(self.master)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups   # the LR schedule sets the inner optimizer's LR
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None

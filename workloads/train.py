@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tracer.job import Session
-from workloads import bugs, context_parallel, faults, grad_sync, harness, precision, zero
+from workloads import bugs, context_parallel, faults, grad_sync, harness, lr_schedule, precision, zero
 from workloads.config import Config, validate
 from workloads.parallel_state import ParallelState, initialize
 from workloads.schedule import no_pipelining, one_f_one_b
@@ -22,14 +22,15 @@ from workloads.vpp import interleaved_1f1b
 
 
 # -- grad finalization, clipping -----------------------------------------------------------------
-def finalize_grads(model: nn.Module, ps: ParallelState, cfg: Config) -> None:
-    """The grads the optimizer sees: DP average, then TP all-reduce of sequence-parallel grads
-    (megatron-core finalize_model_grads order)."""
+def finalize_grads(model: nn.Module, ps: ParallelState, cfg: Config, dp_buckets: grad_sync.DPGradBuckets,
+                   step: int) -> None:
+    """The grads the optimizer sees: DP average (all-reduced in buckets), then TP all-reduce of
+    sequence-parallel grads (megatron-core finalize_model_grads order)."""
     # Expert grads (MoE) are reduced over their own group in grad_sync.reduce_experts.
     grads = [g for p in model.parameters()
              if (g := precision.grad(p)) is not None and not getattr(p, "expert", False)]
     if ps.dp_size > 1:
-        grad_sync.all_reduce_coalesced(grads, ps.dp_group)
+        dp_buckets.all_reduce(grads, ps.dp_group, step)
         if not bugs.active(cfg.bug, "dp_grad_not_averaged"):
             for g in grads:
                 g.div_(ps.dp_size)
@@ -115,6 +116,12 @@ def train(job: harness.RankJob) -> list[float]:
 
     step_losses: list[float] = []
     scale_loss = not bugs.active(cfg.bug, "grad_accum_not_scaled")
+    dp_buckets = grad_sync.DPGradBuckets(cfg.bug, cfg.bug_from_step)
+    scheduler = lr_schedule.Scheduler(cfg)
+    # The samples one optimizer step consumed: the global batch. BUG lr_schedule_local_samples: this
+    # rank's samples only (the data-parallel size left out), so the decay runs dp times late.
+    local_samples = bugs.active(cfg.bug, "lr_schedule_local_samples")
+    increment = cfg.micro_batch * cfg.micro_batches_local if local_samples else cfg.global_batch
     for step in range(cfg.steps):
         with tr.step(step):
             optimizer.zero_grad(set_to_none=True)
@@ -127,7 +134,8 @@ def train(job: harness.RankJob) -> list[float]:
                 losses = one_f_one_b(model, mbs, tr, ps, act_shape, device, scale_loss=scale_loss)
             faults.maybe_inject(spec, job.rank, step, model)
             precision.end_step(model)
-            finalize_grads(model, ps, cfg)
+            finalize_grads(model, ps, cfg, dp_buckets, step)
+            scheduler.set(optimizer)
             if cfg.parallel.zero1:   # traces its grad shards, clips, steps its shards, all-gathers
                 optimizer.step(tr)
             else:
@@ -135,6 +143,7 @@ def train(job: harness.RankJob) -> list[float]:
                 clip_grad_norm(model.parameters(), ps, cfg.clip_grad, expert_sq=lambda params: (
                     grad_sync.expert_norm_sq(params, ps, model.shared_groups, cfg.bug)))
                 optimizer.step()
+            scheduler.step(increment)
             tr.record_params(model)
         if ps.is_last_stage:
             step_losses.append(job.mean_loss(losses, ps.dp_group))

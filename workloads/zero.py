@@ -45,6 +45,10 @@ class DistributedOptimizer:
         self.adam = torch.optim.Adam(self.master, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                      foreach=False)
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.adam.param_groups   # the LR schedule sets the shards' Adam LR
+
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """This DP rank's chunk (dim 0) of a TP-local tensor: a parameter, its grad, its Adam state."""
         return t.chunk(self.dp, dim=0)[self.dp_rank]

@@ -20,10 +20,14 @@ def main(argv: list[str]) -> int:
         if bug is None:
             print(f"ttrace bugs: no bug named '{argv[0]}'; `ttrace bugs` lists them", file=sys.stderr)
             return 2
-        for field in ("name", "job", "bugs_md", "mechanism", "needs", "trigger", "reference", "expect",
-                      "localize", "source"):
+        fields = ("name", "job", "bugs_md", "mechanism", "needs", "trigger", "reference", "expect",
+                  "localize", "source") + (("first_step", "late", "early") if bug.is_late else ())
+        for field in fields:
             print(f"{field:>10}: {getattr(bug, field)}")
         print(f"\n  run it:  ttrace {' '.join(shlex.quote(o) for o in bug.recipe)} bug={bug.name}")
+        if bug.is_late:
+            print(f"  (a late bug: that recipe moves it to step 1; at its real step {bug.first_step}, "
+                  f"{' '.join(bug.late)}, only a run of more than {bug.first_step} steps meets it)")
         return 0
     title = f"ttrace bug catalog ({len(CATALOG)} switches; `ttrace bugs NAME` for one)"
     columns = ("#", "bug", "trigger recipe", "must localize at", "mechanism")

@@ -27,7 +27,7 @@ from torch import nn
 from tracer import Replicate, param_layouts
 from tracer.errors import ConfigError
 from tracer.job import Session
-from workloads import bugs, faults, harness
+from workloads import bugs, faults, harness, lr_schedule
 from workloads.adapters import megatron_shims
 
 NAME = "megatron_core"
@@ -221,6 +221,7 @@ def _train(job: harness.RankJob) -> list[float]:
     last = mps.is_pipeline_last_stage()
 
     step_losses: list[float] = []
+    scheduler = lr_schedule.Scheduler(cfg)
     with _inject(bugs.bug_name(spec)):
         for step in range(cfg.steps):
             batches = job.microbatches(step, coords["dp"], dp)
@@ -253,7 +254,9 @@ def _train(job: harness.RankJob) -> list[float]:
                 clip_grad_norm(params, cfg.clip_grad)
                 for q in params:
                     q.grad = q.main_grad
+                scheduler.set(optimizer)
                 optimizer.step()
+                scheduler.step(cfg.global_batch)
                 tracer.record_params(model)
             if last:
                 step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))

@@ -30,7 +30,7 @@ from torch import nn
 
 from tracer import ConfigError
 from tracer.job import Session
-from workloads import bugs, faults, harness
+from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config, parse
 from workloads.llama import rotary
 
@@ -222,6 +222,7 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
                                  weight_decay=0.0, foreach=False)
     tracer.load_optimizer_state(optimizer, model)   # init.checkpoint's Adam state, when it holds one
     step_losses: list[float] = []
+    scheduler = lr_schedule.Scheduler(cfg)
     for step in range(cfg.steps):
         with tracer.step(step):
             optimizer.zero_grad(set_to_none=True)
@@ -237,7 +238,9 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
             faults.maybe_inject(job.spec, job.rank, step)
             tracer.record_param_grads(model)
             clip_grad_norm(model, cfg.clip_grad)
+            scheduler.set(optimizer)
             optimizer.step()
+            scheduler.step(cfg.global_batch)
             tracer.record_params(model)
         step_losses.append(job.mean_loss(losses, dp_group))
     tracer.save_checkpoint(model, optimizer)   # checkpoint.save (the reference only)
