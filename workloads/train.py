@@ -117,11 +117,15 @@ def train(job: harness.RankJob) -> list[float]:
     step_losses: list[float] = []
     scale_loss = not bugs.active(cfg.bug, "grad_accum_not_scaled")
     dp_buckets = grad_sync.DPGradBuckets(cfg.bug, cfg.bug_from_step)
+    # Runs started from a checkpoint (init.checkpoint, a scan's rerun) continue its step count: late
+    # bugs act, and the LR schedule stands, where the run that wrote it would have been.
+    start = tr.start_step
     scheduler = lr_schedule.Scheduler(cfg)
     # The samples one optimizer step consumed: the global batch. BUG lr_schedule_local_samples: this
     # rank's samples only (the data-parallel size left out), so the decay runs dp times late.
     local_samples = bugs.active(cfg.bug, "lr_schedule_local_samples")
     increment = cfg.micro_batch * cfg.micro_batches_local if local_samples else cfg.global_batch
+    scheduler.step(start * increment)
     for step in range(cfg.steps):
         with tr.step(step):
             optimizer.zero_grad(set_to_none=True)
@@ -134,7 +138,7 @@ def train(job: harness.RankJob) -> list[float]:
                 losses = one_f_one_b(model, mbs, tr, ps, act_shape, device, scale_loss=scale_loss)
             faults.maybe_inject(spec, job.rank, step, model)
             precision.end_step(model)
-            finalize_grads(model, ps, cfg, dp_buckets, step)
+            finalize_grads(model, ps, cfg, dp_buckets, start + step)
             scheduler.set(optimizer)
             if cfg.parallel.zero1:   # traces its grad shards, clips, steps its shards, all-gathers
                 optimizer.step(tr)

@@ -1,6 +1,6 @@
 """Resuming is exact: the built-in trainer run 3 steps, saved (checkpoint.save), then run 2 more from that
 checkpoint (init.checkpoint), ends bit-identical to a 5-step run, weights and Adam state, on a token
-file (data.path): the data step and Adam's step count continue where the first run stopped. One
+file (data.path): the data step, Adam's step count and the LR schedule continue where the first run stopped. One
 process, one rank (the reference role, which is the one that saves)."""
 
 import socket
@@ -16,7 +16,8 @@ SPEC = {
     "parallel": {"name": "single", "world_size": 1, "tp": 1, "pp": 1, "sp": False},
     "precision": {"name": "fp32"}, "bug": {"name": "none"}, "seed": 7,
     "data": {"global_batch": 4, "micro_batch": 2},
-    "optim": {"lr": 1e-2, "clip_grad": 1.0},
+    # An LR decay from step 2: the resumed run must continue the schedule, not restart it.
+    "optim": {"lr": 1e-2, "clip_grad": 1.0, "lr_decay_from": 2, "lr_decay_steps": 4},
 }
 
 
