@@ -36,9 +36,10 @@ nightly ?= full
 nightly: setup
 	$(BIN)/python -m orchestrator.nightly nightly=$(nightly) $(NIGHTLY_ARGS)
 
-# Tolerance calibration + clean-matrix false positives + corruption study -> bench/tolerance.json
+# Tolerance calibration + clean-matrix false positives + corruption study + clean checks from a
+# checkpoint trained 200 steps (--trained) -> bench/tolerance.json (BENCH_ARGS="--trained 0" skips that)
 bench-tolerance: setup
-	$(BIN)/python bench/tolerance.py
+	$(BIN)/python bench/tolerance.py $(BENCH_ARGS)
 
 # Bug catalog: detection, culprit, blame window, loss-curve baseline -> bench/bugs.json + bench/bugs.md
 # (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)

@@ -12,8 +12,9 @@ smallest corruption each method detects. Writes bench/tolerance.json and prints 
 4. Corruption study on saved traces: candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
    smallest delta each method detects.
-5. Optional (`--trained STEPS`; `--trained-only` skips 1-4 and keeps their figures): clean checks
-   started from a checkpoint trained STEPS steps on real text (bench/tolerance_trained.py).
+5. Clean checks started from a checkpoint trained STEPS steps on real text (`--trained STEPS`,
+   default 200; 0 skips it; `--trained-only` skips 1-4 and keeps their figures;
+   bench/tolerance_trained.py).
 """
 
 from __future__ import annotations
@@ -272,8 +273,8 @@ def main() -> int:
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
-    ap.add_argument("--trained", type=int, default=0, help="stage 5: clean checks from a checkpoint "
-                                                           "trained this many steps (0: skip)")
+    ap.add_argument("--trained", type=int, default=200, help="stage 5: clean checks from a checkpoint "
+                                                             "trained this many steps (0: skip)")
     ap.add_argument("--trained-only", action="store_true", help="stage 5 only, into --out's 'trained'")
     args = ap.parse_args()
     if args.trained_only:
