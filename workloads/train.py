@@ -115,7 +115,7 @@ def train(job: harness.RankJob) -> list[float]:
 
     step_losses: list[float] = []
     scale_loss = not bugs.active(cfg.bug, "grad_accum_not_scaled")
-    for step in range(cfg.steps):
+    for step in range(cfg.steps):   # local step: a switch keyed on the step reads job.global_step(step)
         with tr.step(step):
             optimizer.zero_grad(set_to_none=True)
             mbs = context_parallel.local_chunks(job.microbatches(step, ps.coords["dp"], ps.dp_size), ps)
