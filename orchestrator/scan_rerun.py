@@ -71,7 +71,9 @@ def rerun(p: PlannedCheck, first_local: int, start: int) -> None:
             p.report[key] = rep[key]
     culprit = p.report.get("culprit")
     if isinstance(culprit, dict) and culprit.get("name"):
-        culprit["global_step"] = out["from_step"] + int(str(culprit["name"]).split("/", 1)[0])
+        # its name keeps the rerun's local step; `step` (what the summary prints) is the global one
+        culprit["local_step"] = int(str(culprit["name"]).split("/", 1)[0])
+        culprit["step"] = out["from_step"] + culprit["local_step"]
 
 
 def _save_state(p: PlannedCheck, rec: dict[str, Any], steps: int, state: Path) -> None:

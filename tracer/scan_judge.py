@@ -3,11 +3,19 @@ fingerprint_read.py) judged by tracer/stats_compare.py against that step's band,
 perturbed runs' own deviations give at that step. The first step with a tensor outside its band is
 `first_step`; every step gets a summary (its worst error over tolerance, per kind and per module, and
 the loss of the candidate, the reference and the perturbed runs' spread) so drift reads as a curve.
-Memory: the summaries (a few numbers per step and module) and two steps' comparisons."""
+
+The band at step s pools each tensor family's noise (module path and kind, as stats mode pools a
+step's microbatches) over the last `window` steps: R perturbed runs give R samples of a noise scale
+per step, too few for a max-abs statistic (one element's rounding) tested at every step; the noise
+scale drifts slowly, so the steps before s sample the same scale. The band is made of the perturbed
+runs only: a candidate's bug never widens it.
+Memory: the summaries (a few numbers per step and module), the window's noise per family, and two
+steps' comparisons."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,10 +23,11 @@ from typing import Any
 from tracer.errors import TraceError
 from tracer.fingerprint_read import step_of
 from tracer.logical import LogicalTrace
-from tracer.stats_compare import compare_stats, logical_stats
+from tracer.stats_compare import band, judge, logical_stats
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison, TensorResult
 
+WINDOW = 8     # steps whose perturbed noise makes a step's band (module doc)
 BEYOND = 1e9   # err/tol reported for a tensor that failed for another reason (replicas, non-finite, shape)
 
 
@@ -72,11 +81,12 @@ def mean_loss(view: LogicalTrace) -> float | None:
 
 def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTrace],
                 perturbed: Sequence[Iterable[LogicalTrace]], policy: TolerancePolicy,
-                start: int = 0) -> ScanJudgement:
+                start: int = 0, window: int = WINDOW) -> ScanJudgement:
     """Walk the runs' steps together (each an iterable of per-step views); `start`: the global step of
-    local step 0 (init.checkpoint's)."""
+    local step 0 (init.checkpoint's); `window`: steps pooled into a step's band (1: that step only)."""
     out = ScanJudgement([])
     worst = -1.0
+    recent: dict[tuple[str, str], deque[list[float]]] = {}   # (module path, kind) -> last steps' noise
     walks = [iter(reference), iter(candidate), *(iter(p) for p in perturbed)]
     while True:
         views = [next(w, None) for w in walks]
@@ -98,7 +108,12 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
             if lost:
                 raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
                                  f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
-        comp = compare_stats(ref, cand, perts, policy)   # perts: per-step views of the perturbed runs
+        b = band(ref, perts)   # perts: per-step views of the perturbed runs
+        for (st, path, kind), noise in b.pooled.items():
+            seen = recent.setdefault((path, kind), deque(maxlen=max(1, window)))
+            seen.append(noise)
+            b.pooled[(st, path, kind)] = [max(x) for x in zip(*seen, strict=True)]
+        comp = judge(ref, cand, b, policy)
         out.steps.append(_summary(start + step, comp, ref, cand, perts))
         s = out.steps[-1]
         if out.first_step is None and not s.ok:
