@@ -190,18 +190,19 @@ def scan_section(j: ScanJudgement, start: int, stored: dict[str, int]) -> dict[s
 
 
 def _line(scan: dict[str, Any], report: dict[str, Any]) -> str:
-    n, mb = scan["steps_scanned"], scan["store_bytes"] / 1e6
+    n = scan["steps_scanned"]
+    mb = f"{scan['store_bytes'] / 1e6:.2f} MB (fingerprint blocks {scan['fingerprint_bytes'] / 1e6:.2f} MB)"
     if scan["first_step"] is None:
         worst = max((s["worst"] for s in scan["steps"]), default=0.0)
         return (f"{n} steps within their bands (worst {worst:.3g} of tolerance, step {scan['worst_step']}); "
-                f"store {mb:.2f} MB")
+                f"scan store {mb}")
     gap = scan.get("loss_gap_at_first_step")
     loss = (f"; loss {gap['candidate']:.6g} vs reference {gap['reference']:.6g} (gap {gap['gap']:.3g}, "
             f"perturbed spread {gap['spread']:.3g})" if gap else "")
     rr = scan.get("rerun") or {}
     return (f"first step out of the band: {scan['first_step']} ({len(scan['tensors'])} tensors, e.g. "
             f"{', '.join(scan['tensors'][:3])}){loss}; rerun of steps {rr.get('steps')}: "
-            f"{rr.get('verdict', 'not run')}; store {mb:.2f} MB")
+            f"{rr.get('verdict', 'not run')}; scan store {mb}")
 
 
 def _du(url: str) -> int:
