@@ -1,6 +1,6 @@
 """`ttrace [overrides]`: one check; `ttrace -m ...`: a sweep; `ttrace compare STORE`: judge runs traced
 elsewhere; `ttrace report <run-or-path>`: a summary; `ttrace bugs`: the bug catalog; `ttrace nightly`:
-the regression suite.
+the regression suite; `ttrace scan [overrides] steps=N`: the first step a long run diverges.
 
 Exit 0 pass, 1 divergence, 2 error (a sweep exits with the worst of its checks).
 
@@ -49,6 +49,10 @@ def main() -> None:
         from orchestrator.compare_cli import main as compare_main
 
         sys.exit(compare_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "scan":
+        from orchestrator.scan import main as scan_main
+
+        sys.exit(scan_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "nightly":
         from orchestrator.nightly import main as nightly_main
 

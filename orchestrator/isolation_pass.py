@@ -28,6 +28,12 @@ def wants_isolation(p: PlannedCheck) -> bool:
                                           "feed the isolated run; rerun with trace.mode=full to name the "
                                           "culprit")
         return False
+    kinds = (p.rec.get("trace") or {}).get("kinds")
+    if wanted and kinds is not None and not {"output", "grad_output"} <= set(kinds):
+        p.report["localization_error"] = (f"no isolation pass: trace.kinds={kinds} leaves out module outputs "
+                                          "or their grads, which the isolated run is fed; trace every kind "
+                                          "to name the culprit")
+        return False
     if wanted and recipe.microbatches_differ(p.rec):
         p.report["localization_error"] = ("no isolation pass: the reference's microbatches are not the "
                                           "candidate's, so its module tensors cannot be fed to them")

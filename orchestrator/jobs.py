@@ -256,7 +256,7 @@ def _verify_trace(spec: Mapping[str, Any], rank: int, log: RankLog) -> None:
     if manifest.get("incomplete"):
         raise JobError(f"rank {rank} stopped early ({manifest['incomplete']}) and committed a partial trace; "
                        f"the last lines of its output:\n{log.tail_text()}")
-    if not manifest.get("entries"):
+    if not manifest.get("entries") and not manifest.get("names"):   # names: a scan's log (fingerprint_log)
         if manifest.get("meta", {}).get("attached") is False:
             why = "it called tracer.session() but never tr.attach(model)"
         else:

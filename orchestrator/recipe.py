@@ -23,6 +23,7 @@ from tracer.errors import ConfigError
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
 BUILTIN_ENTRYPOINT = "workloads.train:main"
+KINDS = ("output", "grad_output", "param_grad", "param", "loss")   # what a tracer records (trace.kinds)
 OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
 
@@ -169,6 +170,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
         "trace": {"store_url": store_url, "run": run or run_name(role, perturb), "role": role,
                   "perturb": perturb, "reference": reference, "enabled": True,
                   "mode": (recipe.get("trace") or {}).get("mode") or "full",
+                  "kinds": (recipe.get("trace") or {}).get("kinds"),   # None: every kind
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
@@ -202,6 +204,9 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     if mode not in MODES:
         raise ConfigError(f"trace.mode={mode!r}: use full (every traced tensor) or stats (norm, max-abs, sum "
                           "and hash per tensor; docs/stats_mode.md)")
+    kinds = (recipe.get("trace") or {}).get("kinds")
+    if kinds is not None and (not kinds or set(kinds) - set(KINDS)):
+        raise ConfigError(f"trace.kinds={kinds}: a non-empty list of {', '.join(KINDS)} (null: every kind)")
     if recipe.get("localize", True) not in (True, False, "always"):
         raise ConfigError(f"localize={recipe.get('localize')!r}: use true (isolation pass on a failed "
                           "check), always (also on a pass) or false")

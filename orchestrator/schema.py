@@ -85,7 +85,9 @@ class Store:
 @dataclass
 class Trace:
     mode: str = "full"               # full (every traced tensor) | stats (norm, max-abs, sum, hash per
-                                     # tensor: docs/stats_mode.md)
+                                     # tensor: docs/stats_mode.md); `ttrace scan` sets scan itself
+    kinds: list[str] | None = None   # trace only these kinds (output, grad_output, param_grad, param,
+                                     # loss); null: every kind
 
 
 @dataclass
@@ -223,6 +225,8 @@ def _check_value(where: str, value: Any, hint: Any) -> None:
     """A value of one of the hint's types (null always passes: Hydra's null, the field's default)."""
     allowed = tuple(a for a in (get_args(hint) or (hint,)) if a is not type(None))
     if value is None or Any in allowed or any(get_origin(a) is dict or a is dict for a in allowed):
+        return
+    if isinstance(value, list) and any(get_origin(a) is list for a in allowed):
         return
     ok = (isinstance(value, bool) and bool in allowed
           or isinstance(value, str) and str in allowed

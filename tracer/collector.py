@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
 from tracer.writer import TraceWriter
@@ -43,12 +44,16 @@ class Tracer:
 
     def __init__(self, store_url: str, run: str, rank: int, coords: Mapping[str, int],
                  sizes: Mapping[str, int], meta: Mapping[str, Any] | None = None, *,
-                 flush_bytes: int = 32 << 20, mode: str = "full"):
+                 flush_bytes: int = 32 << 20, mode: str = "full", kinds: Iterable[str] | None = None):
         self.enabled = True
         self.rank = rank
-        self._writer = TraceWriter(store_url, run, rank, {
-            "run": run, "rank": rank, "coords": dict(coords), "sizes": dict(sizes), "meta": dict(meta or {}),
-        }, flush_bytes=flush_bytes, mode=mode)
+        # `kinds`: the selection by kind (trace.kinds; None: every kind). A scan traces the per-step
+        # kinds only: module outputs and grads per microbatch would multiply its volume.
+        self._kinds = None if kinds is None else frozenset(kinds)
+        header = {"run": run, "rank": rank, "coords": dict(coords), "sizes": dict(sizes),
+                  "meta": dict(meta or {}, kinds=None if kinds is None else sorted(self._kinds))}
+        writer = FingerprintLog if mode == SCAN_MODE else TraceWriter   # trace.mode=scan: ttrace scan's log
+        self._writer = writer(store_url, run, rank, header, flush_bytes=flush_bytes, mode=mode)
         self._step: int | None = None
         self._microbatch: int | None = None
         self._seq = 0
@@ -76,10 +81,14 @@ class Tracer:
         for pname, layout in param_layouts(model, plan).items():
             self._params[pname] = (layout, types.get(pname.rpartition(".")[0], ""))
         for name, module, entry in traced_modules(model, plan):
-            if entry.trace:
+            if entry.trace and self.traces("output", "grad_output"):
                 self._handles.append(module.register_forward_hook(
                     self._forward_hook(self._rename(name), type(module).__name__, entry.output,
                                        entry.grad_layout)))
+
+    def traces(self, *kinds: str) -> bool:
+        """Does the selection (trace.kinds) hold any of `kinds`?"""
+        return self._kinds is None or any(k in self._kinds for k in kinds)
 
     def isolate(self, feed: Any) -> None:
         """Isolation pass: after recording each traced module's output (and, in backward, its
@@ -118,7 +127,7 @@ class Tracer:
     # -- records -------------------------------------------------------------------------------
     def record(self, path: str, kind: str, tensor: torch.Tensor, layout: Layout | None = None, *,
                microbatch: int | None = None, module_type: str = "", scale: float = 1.0) -> None:
-        if not self.enabled:
+        if not self.enabled or (self._kinds is not None and kind not in self._kinds):
             return
         if self._step is None:
             raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")

@@ -247,16 +247,18 @@ class Session(JobInputs):
         if self._factory is not None:
             return self._factory(self.coords, self.sizes, m, dtensor)
         cfg = self.config
-        mode = str((cfg.spec.get("trace") or {}).get("mode") or "full")   # full | stats (tracer/stats.py)
+        trace = cfg.spec.get("trace") or {}
+        mode = str(trace.get("mode") or "full")   # full | stats (tracer/stats.py) | scan (fingerprint_log.py)
+        kinds = trace.get("kinds")                # None: every kind
         if dtensor:
             from tracer.integrations.dtensor import DTensorTracer
 
             return DTensorTracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes,
-                                 meta=m, mode=mode)
+                                 meta=m, mode=mode, kinds=kinds)
         from tracer.collector import Tracer
 
         return Tracer(str(cfg.store), cfg.run, cfg.rank, coords=self.coords, sizes=self.sizes, meta=m,
-                      mode=mode)
+                      mode=mode, kinds=kinds)
 
 
 _current: Session | None = None

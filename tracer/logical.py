@@ -72,6 +72,9 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
             raise TraceError(f"run '{run}' under {root} mixes trace modes {sorted(modes)} across ranks; "
                              "rerun the job into a fresh store path")
         (mode,) = modes
+        if mode == "scan":
+            raise TraceError(f"run '{run}' under {root} is a scan's per-step fingerprint log (trace.mode="
+                             "scan), not a trace to reassemble: `ttrace scan` judges it")
         stored = StoredTensors(run, ranks)
         info = stored.info
         # Execution order: by step, then the record order of the lowest rank holding the tensor (the

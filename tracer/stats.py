@@ -90,12 +90,12 @@ def local_stats(tensors: Sequence[torch.Tensor], raw: Sequence[Any] | None = Non
             if n % BLOCK:
                 pieces.append(pad[:BLOCK - n % BLOCK])
         wide = torch.float32 if dtype.is_floating_point and dtype.itemsize <= 4 else torch.float64
-        flat = torch.cat(pieces).to(wide).view(-1, BLOCK)
-        sumsq = blocks.sumsq(flat).tolist()
-        lo, hi = flat.aminmax(dim=1)   # max |x| per block without an |x| pass
+        rows = torch.cat(pieces).to(wide).view(-1, BLOCK)   # not `flat`: that is the argument
+        sumsq = blocks.sumsq(rows).tolist()
+        lo, hi = rows.aminmax(dim=1)   # max |x| per block without an |x| pass
         absmax = torch.segment_reduce(torch.maximum(hi, -lo).double(), "max", lengths=blocks.block_lengths,
                                       initial=0).tolist()
-        sums = torch.segment_reduce(flat.sum(1, dtype=torch.float64), "sum",
+        sums = torch.segment_reduce(rows.sum(1, dtype=torch.float64), "sum",
                                     lengths=blocks.block_lengths).tolist()
         for j, i in enumerate(idx):
             out[i] = {"sumsq": sumsq[j], "absmax": absmax[j], "sum": sums[j], "numel": lens[j],

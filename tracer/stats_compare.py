@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tracer.errors import TraceError
 from tracer.layouts import Layout
@@ -57,9 +58,24 @@ def errors(x: Stat, r: Stat, norm: float, absmax: float) -> tuple[float, float, 
             _ratio(abs(x.sum - r.sum), norm * math.sqrt(max(1, r.numel))))
 
 
-def compare_stats(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
-                  policy: TolerancePolicy) -> Comparison:
-    """Judge every reference tensor's statistics (the runs were matched by tracer.compare.compare)."""
+@dataclass
+class Band:
+    """What the perturbed runs say about a reference's tensors: each one's statistics, its scales, its
+    own noise per statistic (norm, absmax, sum), and the noise pooled per family (step, module path,
+    kind: over a step's microbatches), of which the tolerances are made."""
+    ref: dict[str, Stat]
+    scales: dict[str, tuple[float, float]]
+    noise: dict[str, list[float]]
+    pooled: dict[tuple[int, str, str], list[float]]
+
+    def family(self, reference: LogicalTrace, name: str) -> tuple[int, str, str]:
+        e = reference.info[name]
+        return (e["step"], name.split("/", 2)[2].rsplit("/", 1)[0], e["kind"])
+
+
+def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace]) -> Band:
+    """The perturbed runs' band around the reference (errors: a perturbation that did not apply, a
+    reference or perturbed run with non-finite values)."""
     order = reference.order
     ref = {n: logical_stats(reference, n) for n in order}
     pert = [{n: logical_stats(p, n) for n in order} for p in perturbed]
@@ -77,25 +93,34 @@ def compare_stats(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
         if any(not ps[n].finite for ps in pert):
             raise TraceError(f"{n}: a perturbed reference run has non-finite values where the reference has "
                              "none; no tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
-
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
-    scales, noise, pooled = {}, {}, {}
+    out = Band(ref, {}, {}, {})
     for n in order:
         r = ref[n]
-        scales[n] = (r.norm or max((ps[n].norm for ps in pert), default=0.0),
-                     r.absmax or max((ps[n].absmax for ps in pert), default=0.0))
-        noise[n] = [max((errors(ps[n], r, *scales[n])[i] for ps in pert), default=0.0) for i in range(3)]
-        f = pooled.get(family(n), [0.0, 0.0, 0.0])
-        pooled[family(n)] = [max(a, b) for a, b in zip(f, noise[n], strict=True)]
+        out.scales[n] = (r.norm or max((ps[n].norm for ps in pert), default=0.0),
+                         r.absmax or max((ps[n].absmax for ps in pert), default=0.0))
+        noise = out.noise[n] = [max((errors(ps[n], r, *out.scales[n])[i] for ps in pert), default=0.0)
+                                for i in range(3)]
+        f = out.family(reference, n)
+        out.pooled[f] = [max(a, b) for a, b in zip(out.pooled.get(f, [0.0, 0.0, 0.0]), noise, strict=True)]
+    return out
 
+
+def compare_stats(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
+                  policy: TolerancePolicy) -> Comparison:
+    """Judge every reference tensor's statistics (the runs were matched by tracer.compare.compare)."""
+    return judge(reference, candidate, band(reference, perturbed), policy)
+
+
+def judge(reference: LogicalTrace, candidate: LogicalTrace, b: Band, policy: TolerancePolicy) -> Comparison:
+    """Every reference tensor's statistics in the candidate against the band `b`."""
+    order, ref, scales, noise = reference.order, b.ref, b.scales, b.noise
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
     for index, n in enumerate(order):
         e, r = reference.info[n], ref[n]
         c = logical_stats(candidate, n)
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        tol = [policy.tolerance([x], e["dtype"]) for x in pooled[family(n)]]
+        tol = [policy.tolerance([x], e["dtype"]) for x in b.pooled[b.family(reference, n)]]
         err = errors(c, r, *scales[n]) if c.finite else (math.inf,) * 3
         res = TensorResult(
             name=n, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"], step=e["step"],

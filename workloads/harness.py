@@ -45,6 +45,13 @@ class RankJob:
     def world_size(self) -> int:
         return self.session.world_size
 
+    def global_step(self, step: int) -> int:
+        """The training step `step` of this run is in the whole training: init.checkpoint's step count
+        plus `step` (0 without a checkpoint). Anything keyed on the training step (a bug switch's
+        `bug.from_step`, a schedule) must read this, not the loop's local step: `ttrace scan` reruns
+        a late step from a checkpoint, where local step 1 is global step F."""
+        return self.session.start_step + step
+
     def init_process_group(self) -> None:
         """The default process group from torchrun's environment (gloo on CPU, NCCL on GPUs)."""
         if dist.is_initialized():

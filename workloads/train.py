@@ -119,14 +119,14 @@ def train(job: harness.RankJob) -> list[float]:
     dp_buckets = grad_sync.DPGradBuckets(cfg.bug, cfg.bug_from_step)
     # Runs started from a checkpoint (init.checkpoint, a scan's rerun) continue its step count: late
     # bugs act, and the LR schedule stands, where the run that wrote it would have been.
-    start = tr.start_step
+    start = job.global_step(0)
     scheduler = lr_schedule.Scheduler(cfg)
     # The samples one optimizer step consumed: the global batch. BUG lr_schedule_local_samples: this
     # rank's samples only (the data-parallel size left out), so the decay runs dp times late.
     local_samples = bugs.active(cfg.bug, "lr_schedule_local_samples")
     increment = cfg.micro_batch * cfg.micro_batches_local if local_samples else cfg.global_batch
     scheduler.step(start * increment)
-    for step in range(cfg.steps):
+    for step in range(cfg.steps):   # local step: a switch keyed on the step reads job.global_step(step)
         with tr.step(step):
             optimizer.zero_grad(set_to_none=True)
             mbs = context_parallel.local_chunks(job.microbatches(step, ps.coords["dp"], ps.dp_size), ps)
@@ -138,7 +138,7 @@ def train(job: harness.RankJob) -> list[float]:
                 losses = one_f_one_b(model, mbs, tr, ps, act_shape, device, scale_loss=scale_loss)
             faults.maybe_inject(spec, job.rank, step, model)
             precision.end_step(model)
-            finalize_grads(model, ps, cfg, dp_buckets, start + step)
+            finalize_grads(model, ps, cfg, dp_buckets, job.global_step(step))
             scheduler.set(optimizer)
             if cfg.parallel.zero1:   # traces its grad shards, clips, steps its shards, all-gathers
                 optimizer.step(tr)

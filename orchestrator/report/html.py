@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from orchestrator.report.scan_report import panel as scan_panel
+
 PHASES = (("forward", ("output", "loss")), ("backward", ("grad_output", "param_grad")),
           ("after optimizer step", ("param",)))
 COLUMNS = ("index", "name", "module_type", "kind", "rel_err", "tolerance", "ratio", "max_err", "cosine",
@@ -121,7 +123,7 @@ body{{font:14px system-ui,sans-serif;margin:20px;color:#222}} h1{{font-size:20px
 .dot{{fill:#2a6fdb}} .bad{{fill:#d93025}} .firstdot{{stroke:#000;stroke-width:1.5;r:4}}
 .first{{stroke:#d93025;stroke-dasharray:4 3}} .firstlabel{{font-size:11px;fill:#d93025}}
 .culpritline{{stroke:#7b1fa2;stroke-dasharray:2 2}} .culpritlabel{{font-size:11px;fill:#7b1fa2}}
-.culprit{{color:#7b1fa2}}
+.culprit{{color:#7b1fa2}} .legend{{font-size:10px}}
 table{{border-collapse:collapse;font-size:12px}} td,th{{border:1px solid #ddd;padding:2px 6px}}
 th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.firstrow td{{font-weight:bold}}
 </style></head><body>
@@ -132,6 +134,7 @@ th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.first
 &middot; R = {rec.get("tolerance", {}).get("perturbations")}</p>
 {f'<p>reference layout: {html.escape(ref["trusted"])}</p>' if ref.get("trusted") else ""}
 {_logs(report)}
+{scan_panel(report)}
 <h2>Divergence profile (relative error, dots; tolerance, line; log scale)</h2>
 <div id="plots">{panels}</div>
 <h2>Tensors <small>(click a header to sort)</small></h2>

@@ -155,6 +155,9 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
     for key, val in report.get("timings", {}).items():
         if isinstance(val, (int, float)):
             metrics.append(Metric(f"seconds.{key}", float(val), now, 0))
+    from orchestrator.report.scan_report import metrics as scan_metrics
+
+    metrics += [Metric(k, min(v, 1e300), now, step) for k, v, step in scan_metrics(report)]   # ttrace scan
     for i in range(0, len(metrics), BATCH):
         client.log_batch(run_id, metrics=metrics[i:i + BATCH])
     client.log_artifact(run_id, str(report_path))

@@ -151,7 +151,7 @@ class DTensorTracer(Tracer):
             pats = [_regex(p) for p in modules]
             names = [n for n, _ in model.named_modules() if n and any(p.match(n) for p in pats)]
         mods = dict(model.named_modules())
-        for name in names:
+        for name in names if self.traces("output", "grad_output") else ():
             m = mods[name]
             # prepend: before a ParallelStyle's output hook turns the DTensor into a local tensor.
             self._handles.append(m.register_forward_hook(

@@ -1,0 +1,215 @@
+"""`ttrace scan <recipe overrides> steps=N`: the first step where the candidate leaves the reference,
+then that step checked in full (README "Long runs: ttrace scan").
+
+Phase 1: the reference, the R perturbed references and the candidate train N steps, each logging
+per-step fingerprints of the per-step kinds (trace.mode=scan, trace.kinds=param_grad,param,loss:
+tracer/fingerprint_log.py); every step is judged against that step's band from the perturbed runs
+(tracer/scan_judge.py, the statistics and tolerances of trace.mode=stats). The first step out of the
+band is `first_step`.
+Phase 2: that step rerun in full with the isolation pass, from the reference's state before it
+(orchestrator/scan_rerun.py). One report.json / report.html / MLflow run for the scan.
+
+Exit 0: every step within its band; 1: a step left it; 2: the scan could not run.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from orchestrator import cluster, inputs, layouts, recipe, storage
+from orchestrator.console import emit
+from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
+from orchestrator.progress import JobProgress
+from orchestrator.rank_logs import log_dir
+from orchestrator.refcache import commit, share_references
+from orchestrator.scan_rerun import rerun
+from tracer.errors import ConfigError, TTraceError
+from tracer.fingerprint_log import SCAN_MODE
+from tracer.fingerprint_read import FingerprintRun
+from tracer.scan_judge import ScanJudgement, judge_steps
+from tracer.tolerance import TolerancePolicy
+
+SCAN_KINDS = ["param_grad", "param", "loss"]   # one record per tensor per step (loss: per microbatch)
+
+
+def main(argv: list[str]) -> int:
+    """`ttrace scan [overrides]`: compose the recipe, scan, print the summary; the exit code."""
+    try:
+        rec = recipe.compose(argv)
+    except ConfigError as e:
+        print(f"ttrace scan: error: {e}", file=sys.stderr)
+        return 2
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S-") + f"{time.time() % 1:.6f}"[2:]
+    out = Path("outputs") / f"{stamp}-scan-{rec['parallel']['name']}-{rec['bug']['name']}"
+    result = run_scan(rec, out.resolve(), base_dir=os.getcwd())
+    scan = result.report.get("scan") or {}
+    if scan.get("line"):
+        print(f"ttrace scan: {scan['line']}", flush=True)
+    emit(result)
+    return result.exit_code
+
+
+def run_scan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
+    """Phase 1, then phase 2 on a divergence; every failure is verdict 'error', never a pass."""
+    p = _plan(rec, output_dir, base_dir)
+    if p.error is None:
+        _phase1(p, base_dir)
+    if p.error is None:
+        _judge(p)
+    return finish(p, base_dir, None)
+
+
+def scan_recipe(rec: dict[str, Any]) -> dict[str, Any]:
+    """The recipe phase 1's jobs run: the fingerprint log of the per-step kinds, no isolation pass. The
+    loss is left out when the reference cuts other microbatches (their losses have no counterpart)."""
+    out = copy.deepcopy(rec)
+    kinds = [k for k in SCAN_KINDS if not (k == "loss" and recipe.microbatches_differ(rec))]
+    out["trace"] = {**(rec.get("trace") or {}), "mode": SCAN_MODE, "kinds": kinds}
+    out["localize"] = False
+    return out
+
+
+def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
+    check_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    p = PlannedCheck(rec, output_dir, check_id, {"check_id": check_id, "kind": "scan", "recipe": rec,
+                                                 "timings": {}}, time.perf_counter(), base_dir=base_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        rec = inputs.resolved(rec, base_dir)
+        p.report["recipe"] = rec
+        trace = rec.get("trace") or {}
+        if (trace.get("mode") or "full") != "full" or trace.get("kinds") is not None:
+            raise ConfigError(f"ttrace scan sets trace.mode and trace.kinds itself (phase 1 logs "
+                              f"{SCAN_KINDS} per step, phase 2 traces every kind in full); leave them at "
+                              "their defaults")
+        if (rec.get("checkpoint") or {}).get("save"):
+            raise ConfigError("checkpoint.save: ttrace scan saves the reference's state itself (phase 2); "
+                              "run a check with checkpoint.save to keep a final state")
+        recipe.validate(rec, base_dir)   # the recipe as a check takes it: exit 2 before anything runs
+        p.rec = scan_recipe(rec)
+        p.report["job"] = {k: v for k, v in recipe.job_of(rec, base_dir).items() if k != "env"}
+        root = recipe.resolve_url(rec["store"]["url"], base_dir).rstrip("/")
+        storage.preflight(root, storage.options(rec["store"]))
+        p.store_url = f"{root}/{check_id}"
+        spec = recipe.job_spec(p.rec, role="candidate", store_url=p.store_url, base_dir=base_dir,
+                               log=log_dir(output_dir, "candidate"))
+        p.candidate = cluster.Job("candidate", spec, int(rec["parallel"]["world_size"]), label=check_id,
+                                  timeout_s=float(rec["timeout_s"]), error_dir=output_dir / "errors")
+    except TTraceError as e:
+        p.error = str(e)
+    return p
+
+
+def _phase1(p: PlannedCheck, base_dir: str) -> None:
+    """The reference set (cached like a check's, keyed with trace.mode=scan) and the candidate, together."""
+    refsets = share_references([p], base_dir)
+    assert p.candidate is not None and p.refs is not None
+    jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate]
+    try:
+        p.report["timings"]["ray_start"] = cluster.ensure_ray(p.rec["cluster"])
+        t0 = time.perf_counter()
+        with JobProgress(False) as on_change:
+            cluster.run_jobs(jobs, cpus_per_rank=float(p.rec["cluster"]["cpus_per_rank"]),
+                             timeout_s=float(p.rec["timeout_s"]), error_dir=p.output_dir / "errors",
+                             on_change=on_change)
+        p.report["timings"]["jobs_wall"] = time.perf_counter() - t0
+    except TTraceError as e:
+        p.error = str(e)
+        return
+    for rs in refsets:
+        commit(rs)
+    rs = p.refs
+    p.report["reference"] = {"key": rs.key, "cache": rs.cache, "url": rs.url,
+                             **layouts.report(p.rec["parallel"], layouts.reference_layout(p.rec))}
+    ran = ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]
+    p.report["timings"]["jobs"] = {j.name: j.seconds for j in ran}
+    keep_logs(p, ran)
+    failed = [e for e in (rs.error, p.candidate.error) if e]
+    if failed:
+        p.error = "; ".join(failed)
+
+
+def start_step(rec: dict[str, Any]) -> int:
+    """The global step of the scan's local step 0: init.checkpoint's step count (0 without one)."""
+    path = (rec.get("init") or {}).get("checkpoint")
+    if not path:
+        return 0
+    from tracer.checkpoint import open_checkpoint
+
+    return open_checkpoint(str(path)).step
+
+
+def _judge(p: PlannedCheck) -> None:
+    """Every step against its band; on a divergence, phase 2. Any failure to judge becomes p.error."""
+    rs, cand_job, t0 = p.refs, p.candidate, time.perf_counter()
+    assert rs is not None and cand_job is not None
+    try:
+        ref = FingerprintRun(rs.url, "reference", rs.world_size)
+        perts = [FingerprintRun(rs.url, run, rs.world_size) for run in rs.runs[1:]]
+        cand = FingerprintRun(p.store_url, "candidate", cand_job.world_size)
+        start = start_step(p.report["recipe"])
+        j = judge_steps(ref.steps(), cand.steps(), [x.steps() for x in perts],
+                        TolerancePolicy.from_config(p.rec["tolerance"]), start)
+        p.report["timings"]["compare"] = time.perf_counter() - t0
+        if not j.steps:
+            raise TTraceError("the scan's runs logged no step: did the job call tr.step(i) and record?")
+        stored = {"fingerprint_bytes": ref.bytes + cand.bytes + sum(x.bytes for x in perts),
+                  "store_bytes": _du(rs.url) + _du(p.store_url)}
+        p.comparison = j.first if j.first is not None else j.worst
+        assert p.comparison is not None
+        p.report.update(p.comparison.to_json())
+        p.report["scan"] = scan_section(j, start, stored)
+    except TTraceError as e:
+        p.error, p.comparison = str(e), None
+        return
+    if j.first_step is not None:
+        t1 = time.perf_counter()
+        rerun(p, j.first_step - start, start)
+        p.report["timings"]["rerun"] = time.perf_counter() - t1
+    p.report["scan"]["line"] = _line(p.report["scan"], p.report)
+
+
+def scan_section(j: ScanJudgement, start: int, stored: dict[str, int]) -> dict[str, Any]:
+    """report.json's `scan`: first_step (global), the tensors that left the band there, the loss gap
+    at that step next to the perturbed runs' spread, and a summary of every step."""
+    first = next((s for s in j.steps if s.step == j.first_step), None)
+    gap = None
+    if first is not None and first.loss is not None:
+        gap = {**first.loss, "gap": first.loss["candidate"] - first.loss["reference"],
+               "note": "spread: the largest |loss - reference loss| of the R perturbed runs (one ulp of "
+                       "every weight, or GEMM rounding draws), not a seed-to-seed spread"}
+    return {"first_step": j.first_step, "start_step": start, "steps_scanned": len(j.steps),
+            "tensors": [] if first is None else first.failing, "loss_gap_at_first_step": gap,
+            "worst_step": j.worst_step, **stored, "steps": [s.to_json() for s in j.steps]}
+
+
+def _line(scan: dict[str, Any], report: dict[str, Any]) -> str:
+    n = scan["steps_scanned"]
+    mb = f"{scan['store_bytes'] / 1e6:.2f} MB (fingerprint blocks {scan['fingerprint_bytes'] / 1e6:.2f} MB)"
+    if scan["first_step"] is None:
+        worst = max((s["worst"] for s in scan["steps"]), default=0.0)
+        return (f"{n} steps within their bands (worst {worst:.3g} of tolerance, step {scan['worst_step']}); "
+                f"scan store {mb}")
+    gap = scan.get("loss_gap_at_first_step")
+    loss = (f"; loss {gap['candidate']:.6g} vs reference {gap['reference']:.6g} (gap {gap['gap']:.3g}, "
+            f"perturbed spread {gap['spread']:.3g})" if gap else "")
+    rr = scan.get("rerun") or {}
+    return (f"first step out of the band: {scan['first_step']} ({len(scan['tensors'])} tensors, e.g. "
+            f"{', '.join(scan['tensors'][:3])}){loss}; rerun of steps {rr.get('steps')}: "
+            f"{rr.get('verdict', 'not run')}; scan store {mb}")
+
+
+def _du(url: str) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    try:
+        return int(fs.du(path))
+    except FileNotFoundError:
+        return 0

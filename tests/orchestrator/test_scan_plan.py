@@ -1,0 +1,49 @@
+"""`ttrace scan`'s planning without Ray: which steps phase 2 reruns from which saved state, the recipe
+phase 1 runs, the recipes it refuses, and its per-step report panel and MLflow metrics."""
+
+from orchestrator.recipe import compose
+from orchestrator.report.html import render
+from orchestrator.report.scan_report import metrics
+from orchestrator.scan import _plan, scan_recipe
+from orchestrator.scan_rerun import rerun_plan
+
+
+def test_the_rerun_covers_the_step_before_and_the_first_step_from_the_state_before_them():
+    assert rerun_plan(100) == (99, 2)      # save after 99 steps; rerun steps 99 and 100
+    assert rerun_plan(2) == (1, 2)
+    assert rerun_plan(1) == (0, 2)         # no state to save: steps 0 and 1 from the start
+    assert rerun_plan(0) == (0, 1)
+    assert rerun_plan(-1) == (0, 1)        # the weights as attached differ: step 0 in full
+
+
+def test_phase_one_logs_the_per_step_kinds_and_drops_the_loss_when_microbatches_differ():
+    rec = scan_recipe(compose(["parallel=tp2_dp2"]))
+    assert rec["trace"] == {"mode": "scan", "kinds": ["param_grad", "param", "loss"]}
+    assert rec["localize"] is False
+    other = scan_recipe(compose(["parallel=tp2_dp2", "reference.micro_batch=8"]))
+    assert other["trace"]["kinds"] == ["param_grad", "param"]
+
+
+def test_a_scan_refuses_a_trace_mode_or_selection_of_its_own(tmp_path):
+    for bad in ("trace.mode=stats", "trace.kinds=[param]", "checkpoint.save=ck"):
+        p = _plan(compose(["parallel=tp2", bad]), tmp_path / "out", str(tmp_path))
+        assert p.error and ("ttrace scan" in p.error), (bad, p.error)
+
+
+def test_the_report_draws_each_modules_error_over_steps_and_mlflow_gets_a_point_per_step():
+    steps = [{"step": s, "ok": s < 3, "worst": 0.5 if s < 3 else 40.0, "tensor": "x",
+              "kinds": {"param_grad": 0.5 if s < 3 else 40.0, "param": 0.2},
+              "modules": {"layers.0.mlp.fc1": 0.5 if s < 3 else 40.0, "head": 0.1},
+              "loss": {"candidate": 4.0 + 1e-3 * (s >= 3), "reference": 4.0, "spread": 1e-7}, "failing": []}
+             for s in range(-1, 6)]
+    report = {"verdict": "fail", "recipe": {}, "tensors": [], "first_divergence": None,
+              "scan": {"first_step": 3, "steps": steps, "line": "first step out of the band: 3",
+                       "rerun": {"steps": [2, 3], "verdict": "fail"}}}
+    page = render(report)
+    assert 'data-panel="fingerprint error' in page and "first step out of the band: 3" in page
+    assert page.count("<polyline") >= 4 and "layers.0.mlp.fc1" in page and "loss:" in page
+    got = metrics(report)
+    # the weights as attached (step -1) are not a training step
+    assert [s for n, _, s in got if n == "scan.err_over_tol"] == [0, 1, 2, 3, 4, 5]
+    assert {n for n, _, _ in got} == {"scan.err_over_tol", "scan.err_over_tol.param_grad",
+                                      "scan.err_over_tol.param", "scan.loss_gap", "scan.loss_spread"}

@@ -1,0 +1,56 @@
+"""`ttrace scan` end to end (issue 18): a clean scan passes every step and charts them in MLflow; a bug
+scan names the first step out of the band, reruns it in full and names the culprit. The band and
+first-step logic and the fingerprint log: tests/tracer/test_scan_log.py."""
+
+import fnmatch
+
+import pytest
+
+from orchestrator.recipe import compose
+from orchestrator.scan import run_scan
+
+CHEAP = ("parallel=tp2_dp2", "model.layers=2", "tolerance.perturbations=2")
+
+# (bug overrides, scan steps, the step it must be found at, fnmatch pattern of the culprit module).
+# Late bugs (bug.from_step) go here: their first step is the bug's, and the rerun from a checkpoint
+# must reproduce it at that global step.
+CASES = [
+    (("bug=dp_grad_not_averaged",), 4, 0, "embedding.word"),
+]
+
+
+def scan(workdir, name, *overrides):
+    return run_scan(compose([*CHEAP, *overrides]), workdir / "out" / name, base_dir=str(workdir))
+
+
+def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, workdir):
+    res = scan(workdir, "clean", "steps=6", f"tracking.uri=sqlite:///{workdir}/mlflow.db")
+    assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
+    s = res.report["scan"]
+    assert s["first_step"] is None and s["tensors"] == [] and s["loss_gap_at_first_step"] is None
+    assert [x["step"] for x in s["steps"]] == [-1, 0, 1, 2, 3, 4, 5] and all(x["ok"] for x in s["steps"])
+    assert all(0 < x["worst"] <= 1 for x in s["steps"][1:])                 # inside the band, not trivially
+    assert set(s["steps"][1]["kinds"]) == {"param_grad", "param", "loss"}   # the per-step kinds only
+    assert 0 < s["fingerprint_bytes"] < s["store_bytes"]
+    assert 'data-panel="fingerprint error' in (res.report_path.parent / "report.html").read_text()
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
+    history = mlflow.MlflowClient().get_metric_history(res.report["mlflow_run_id"], "scan.err_over_tol")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("overrides,steps,at,module", CASES, ids=[c[0][0] for c in CASES])
+def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_cluster, workdir, overrides,
+                                                                          steps, at, module):
+    res = scan(workdir, "bug", f"steps={steps}", "tracking.enabled=false", *overrides)
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    s = res.report["scan"]
+    assert s["first_step"] == at, s["line"]
+    assert all(x["ok"] for x in s["steps"] if x["step"] < at) and s["tensors"]
+    assert s["loss_gap_at_first_step"]["spread"] >= 0
+    rerun = s["rerun"]
+    assert rerun["verdict"] == "fail" and at in rerun["steps"], rerun
+    culprit = res.report["culprit"]
+    assert fnmatch.fnmatch(culprit["module"], module) and culprit["step"] == at, culprit

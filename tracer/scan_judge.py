@@ -1,0 +1,142 @@
+"""The scan's verdict over steps: every step's fingerprints (per-step stats-mode traces, tracer/
+fingerprint_read.py) judged by tracer/stats_compare.py against that step's band, the tolerance the
+perturbed runs' own deviations give at that step. The first step with a tensor outside its band is
+`first_step`; every step gets a summary (its worst error over tolerance, per kind and per module, and
+the loss of the candidate, the reference and the perturbed runs' spread) so drift reads as a curve.
+
+The band at step s pools each tensor family's noise (module path and kind, as stats mode pools a
+step's microbatches) over the last `window` steps: R perturbed runs give R samples of a noise scale
+per step, too few for a max-abs statistic (one element's rounding) tested at every step; the noise
+scale drifts slowly, so the steps before s sample the same scale. The band is made of the perturbed
+runs only: a candidate's bug never widens it.
+Memory: the summaries (a few numbers per step and module), the window's noise per family, and two
+steps' comparisons."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tracer.errors import TraceError
+from tracer.fingerprint_read import step_of
+from tracer.logical import LogicalTrace
+from tracer.stats_compare import band, judge, logical_stats
+from tracer.tolerance import TolerancePolicy
+from tracer.verdicts import Comparison, TensorResult
+
+WINDOW = 8     # steps whose perturbed noise makes a step's band (module doc)
+BEYOND = 1e9   # err/tol reported for a tensor that failed for another reason (replicas, non-finite, shape)
+
+
+def over_band(r: TensorResult) -> float:
+    """How far a tensor is from its band's edge: the largest statistic's error over its tolerance
+    (norm, max-abs, sum); BEYOND for a failure that is no statistic's (replicas differ, inf/nan)."""
+    pairs = ((r.rel_err, r.tolerance), (r.max_err, r.max_tolerance), (r.scale_err, r.scale_tolerance))
+    worst = max((e / t if t > 0 else (0.0 if e == 0 else BEYOND)) for e, t in pairs if math.isfinite(t))
+    if not math.isfinite(worst) or (not r.ok and worst <= 1.0):
+        return BEYOND
+    return min(worst, BEYOND)
+
+
+@dataclass
+class StepSummary:
+    step: int                                # global step (-1 + start: the weights as attached)
+    ok: bool
+    worst: float                             # max over tensors of over_band
+    tensor: str                              # the worst tensor (canonical name, local step)
+    kinds: dict[str, float] = field(default_factory=dict)     # kind -> worst over_band
+    modules: dict[str, float] = field(default_factory=dict)   # module -> worst over_band
+    loss: dict[str, float] | None = None     # candidate, reference, spread (max |perturbed - reference|)
+    failing: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        r = lambda x: float(f"{x:.4g}")
+        out.update(worst=r(self.worst), kinds={k: r(v) for k, v in self.kinds.items()},
+                   modules={k: r(v) for k, v in self.modules.items()}, failing=self.failing[:20])
+        return out
+
+
+@dataclass
+class ScanJudgement:
+    steps: list[StepSummary]
+    first_step: int | None = None          # global
+    first: Comparison | None = None        # the comparison at first_step
+    worst_step: int | None = None          # global step of the largest over_band (a clean scan's report)
+    worst: Comparison | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.first_step is None else "fail"
+
+
+def mean_loss(view: LogicalTrace) -> float | None:
+    """The step's mean loss over its microbatches (a scalar's sum is its value); None without one."""
+    names = [n for n, e in view.info.items() if e["kind"] == "loss"]
+    return sum(logical_stats(view, n).sum for n in names) / len(names) if names else None
+
+
+def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTrace],
+                perturbed: Sequence[Iterable[LogicalTrace]], policy: TolerancePolicy,
+                start: int = 0, window: int = WINDOW) -> ScanJudgement:
+    """Walk the runs' steps together (each an iterable of per-step views); `start`: the global step of
+    local step 0 (init.checkpoint's); `window`: steps pooled into a step's band (1: that step only)."""
+    out = ScanJudgement([])
+    worst = -1.0
+    recent: dict[tuple[str, str], deque[list[float]]] = {}   # (module path, kind) -> last steps' noise
+    walks = [iter(reference), iter(candidate), *(iter(p) for p in perturbed)]
+    while True:
+        views = [next(w, None) for w in walks]
+        if all(v is None for v in views):
+            return out
+        if any(v is None for v in views):
+            short = [("reference", "candidate", *(f"perturbed-{i + 1}" for i in range(len(perturbed))))[i]
+                     for i, v in enumerate(views) if v is None]
+            raise TraceError(f"run(s) {short} logged fewer steps than the others; a job stopped early")
+        ref, cand, *perts = views
+        assert ref is not None and cand is not None
+        step = step_of(ref)
+        other = {step_of(v) for v in views if v is not None}
+        if len(other) > 1 or step is None:
+            raise TraceError(f"the runs' logs are out of step (steps {sorted(map(str, other))}); rerun "
+                             "the scan")
+        for run in (cand, *perts):
+            lost = [n for n in ref.order if n not in run.tensors]
+            if lost:
+                raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
+                                 f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
+        b = band(ref, perts)   # perts: per-step views of the perturbed runs
+        for (st, path, kind), noise in b.pooled.items():
+            seen = recent.setdefault((path, kind), deque(maxlen=max(1, window)))
+            seen.append(noise)
+            b.pooled[(st, path, kind)] = [max(x) for x in zip(*seen, strict=True)]
+        comp = judge(ref, cand, b, policy)
+        out.steps.append(_summary(start + step, comp, ref, cand, perts))
+        s = out.steps[-1]
+        if out.first_step is None and not s.ok:
+            out.first_step, out.first = s.step, comp
+        if out.worst is None or s.worst > worst:
+            out.worst_step, out.worst, worst = s.step, comp, s.worst
+
+
+def _summary(step: int, comp: Comparison, ref: LogicalTrace, cand: LogicalTrace,
+             perts: Sequence[LogicalTrace]) -> StepSummary:
+    kinds: dict[str, float] = {}
+    modules: dict[str, float] = {}
+    worst, tensor = -1.0, ""
+    for r in comp.results:
+        x = over_band(r)
+        kinds[r.kind] = max(kinds.get(r.kind, 0.0), x)
+        modules[r.module] = max(modules.get(r.module, 0.0), x)
+        if x > worst:
+            worst, tensor = x, r.name
+    loss = None
+    lr, lc = mean_loss(ref), mean_loss(cand)
+    if lr is not None and lc is not None:
+        spread = max((abs(lp - lr) for p in perts if (lp := mean_loss(p)) is not None), default=0.0)
+        loss = {"candidate": lc, "reference": lr, "spread": spread}
+    return StepSummary(step, comp.verdict == "pass", max(worst, 0.0), tensor, kinds, modules, loss,
+                       [r.name for r in comp.results if not r.ok])
