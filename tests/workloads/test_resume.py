@@ -1,7 +1,7 @@
 """Resuming is exact: the built-in trainer run 3 steps, saved (checkpoint.save), then run 2 more from that
 checkpoint (init.checkpoint), ends bit-identical to a 5-step run, weights and Adam state, on a token
-file (data.path): the data step, Adam's step count and the LR schedule continue where the first run stopped. One
-process, one rank (the reference role, which is the one that saves)."""
+file (data.path): the data step, Adam's step count and the LR schedule continue where the first run
+stopped. One process, one rank (the reference role, which is the one that saves)."""
 
 import socket
 
