@@ -16,6 +16,10 @@ CHEAP = ("parallel=tp2_dp2", "model.layers=2", "tolerance.perturbations=2")
 # must reproduce it at that global step.
 CASES = [
     (("bug=dp_grad_not_averaged",), 4, 0, "embedding.word"),
+    # A stale DP grad bucket from step 3: bucket 1 holds the last layer's fc1 (workloads/bugs.py).
+    (("bug=late_grad_bucket_stale", "bug.from_step=3"), 5, 3, "layers.1.mlp.fc1"),
+    # The LR decays from step 3, except on the buggy scheduler counting this rank's samples.
+    (("bug=lr_schedule_local_samples", "optim.lr_decay_from=3"), 5, 3, "embedding.word"),
 ]
 
 
@@ -41,7 +45,7 @@ def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, wor
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("overrides,steps,at,module", CASES, ids=[c[0][0] for c in CASES])
+@pytest.mark.parametrize("overrides,steps,at,module", CASES, ids=[c[0][0].removeprefix("bug=") for c in CASES])
 def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_cluster, workdir, overrides,
                                                                           steps, at, module):
     res = scan(workdir, "bug", f"steps={steps}", "tracking.enabled=false", *overrides)
