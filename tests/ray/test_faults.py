@@ -55,7 +55,7 @@ def test_two_sweeps_on_one_store_both_get_correct_verdicts(ray_cluster, workdir)
     """Same store, same MLflow db, same (uncached) reference key, started together: both sweeps
     compute or reuse the references safely and report pass for the clean run, fail for the bug."""
     store = workdir / "store"
-    args = ["-m", "bug=none,row_parallel_bias_per_rank", f"store.url={store}",
+    args = ["-m", "bug=none,row_parallel_bias_per_rank", f"store.url={store}", "localize=false",
             f"cluster.address={ray_cluster}", f"tracking.uri=sqlite:///{workdir}/mlflow.db"]
     dirs = [workdir / "a", workdir / "b"]   # two working dirs (Hydra output dirs), one store, one MLflow db
     for d in dirs:

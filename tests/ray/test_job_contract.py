@@ -48,7 +48,9 @@ CHECKS = {
 def checks(ray_cluster: str, user_repo: Path) -> dict[str, tuple[int, str, dict]]:
     """The issue's commands as a user types them (plus the entrypoint form), run at once on the test
     session's Ray cluster: {name: (exit code, output, report)}."""
-    procs = {name: subprocess.Popen([TTRACE, *args, f"cluster.address={ray_cluster}"], cwd=user_repo,
+    # R=2 perturbed runs (the default is 3): 4 fewer jobs of fresh rank processes, same verdicts.
+    procs = {name: subprocess.Popen([TTRACE, *args, "tolerance.perturbations=2",
+                                     f"cluster.address={ray_cluster}"], cwd=user_repo,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, args in CHECKS.items()}
     out = {}
@@ -66,7 +68,7 @@ def test_a_clean_dtensor_tp_sp_script_passes_and_keeps_every_ranks_log(checks, u
     assert len(report["tensors"]) > 300 and all(t["ok"] for t in report["tensors"])
     assert report["job"]["label"] == "python examples/dtensor_tp_sp/train.py"
     logs = report["logs"]
-    assert sorted(logs) == ["candidate", "perturbed-1", "perturbed-2", "perturbed-3", "reference"]
+    assert sorted(logs) == ["candidate", "perturbed-1", "perturbed-2", "reference"]
     assert logs["candidate"] == ["logs/candidate/rank00000.log", "logs/candidate/rank00001.log"]
     (path,) = [p for p in user_repo.glob("outputs/*/*/report.json") if json.loads(p.read_text())["check_id"]
                == report["check_id"]]

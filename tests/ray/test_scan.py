@@ -45,7 +45,8 @@ def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, wor
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("overrides,steps,at,module", CASES, ids=[c[0][0].removeprefix("bug=") for c in CASES])
+@pytest.mark.parametrize("overrides,steps,at,module", CASES,
+                         ids=[c[0][0].removeprefix("bug=") for c in CASES])
 def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_cluster, workdir, overrides,
                                                                           steps, at, module):
     res = scan(workdir, "bug", f"steps={steps}", "tracking.enabled=false", *overrides)
