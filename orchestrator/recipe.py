@@ -112,6 +112,7 @@ def reference_key(recipe: dict[str, Any]) -> str:
     tol = recipe["tolerance"]
     key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(tol["perturbations"]),
                       "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
+                      "perturbation_steps": tol.get("perturbation_steps", "first"),
                       "code": code,
                       # checks of a sweep saving to different directories are different computations
                       "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
@@ -172,6 +173,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
                   "mode": (recipe.get("trace") or {}).get("mode") or "full",
                   "kinds": (recipe.get("trace") or {}).get("kinds"),   # None: every kind
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
+                  "perturbation_steps": recipe["tolerance"].get("perturbation_steps", "first"),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
@@ -217,6 +219,9 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     inputs.validate(inputs.resolved(recipe, base_dir or os.getcwd()), job["own"])
     if tol.get("perturbation", "auto") not in ("auto", "weights", "gemm"):
         raise ConfigError(f"tolerance.perturbation={tol['perturbation']}: use auto, weights or gemm")
+    if tol.get("perturbation_steps", "first") not in ("first", "every"):
+        raise ConfigError(f"tolerance.perturbation_steps={tol['perturbation_steps']}: use first (the initial "
+                          "weights) or every (after every optimizer step too)")
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
         raise ConfigError(f"tolerance.perturbation=gemm draws the rounding of GEMM results inside ttrace's "
                           f"built-in trainer only; job {job['label']!r} is perturbed by its weights "

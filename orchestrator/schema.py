@@ -147,6 +147,8 @@ class Reference:
 class Tolerance:
     perturbations: int = 3           # R perturbed reference runs
     perturbation: str = "auto"       # what they move: auto | weights | gemm (workloads/precision.py)
+    perturbation_steps: str = "first"  # weights moved before the first step only | every: after every
+                                     # optimizer step too (`ttrace scan`: a layout adds noise each step)
     k: float = 4.0
     floor_ulps: float = 16.0
     k_elem: float = 6.0

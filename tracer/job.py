@@ -47,13 +47,12 @@ from torch import nn
 from tracer.errors import ConfigError
 from tracer.job_config import INITIAL_STEP, JobConfig, Parallel
 from tracer.job_inputs import JobInputs
-from tracer.parameters import mesh_axes_of, param_layout_map, perturb_parameters
+from tracer.parameters import EveryStep, mesh_axes_of, param_layout_map, perturb_parameters
 from tracer.plan import Plan, Rename
 from tracer.process_exit import collect_garbage_at_exit, on_uncaught_exception
 
 # A tracer built at attach time: (coords, sizes, meta) -> tracer.Tracer-like (tests record in memory).
 TracerFactory = Callable[[Mapping[str, int], Mapping[str, int], Mapping[str, Any], bool], Any]
-
 
 
 class Session(JobInputs):
@@ -68,6 +67,7 @@ class Session(JobInputs):
         self._closed = False
         self._failed: str | None = None   # the uncaught exception that ended the job, if any
         self._grad_scale: float | None = None
+        self._every_step: EveryStep | None = None
         self.coords: dict[str, int] = {}
         self.sizes: dict[str, int] = {}
         if config.traced:
@@ -149,8 +149,10 @@ class Session(JobInputs):
             raise ConfigError(unused)
         self.coords, self.sizes = mesh_axes_of(model, coords, sizes, plan, mesh, self.rank, self.world_size)
         if self.role == "perturbed" and perturb:
-            perturb_parameters(model, param_layout_map(model, plan), self.config.perturb or 0, self.coords,
-                               self.sizes, rename=rename)
+            layouts, r = param_layout_map(model, plan), self.config.perturb or 0
+            perturb_parameters(model, layouts, r, self.coords, self.sizes, rename=rename)
+            if (self.spec.get("trace") or {}).get("perturbation_steps") == "every":
+                self._every_step = EveryStep(layouts, r, self.coords, self.sizes, rename)
         self._tracer = self._new_tracer(plan is None, meta)
         if plan is not None:
             self._tracer.attach(model, plan, rename=rename)
@@ -202,9 +204,11 @@ class Session(JobInputs):
             self._tracer.record_param_grads(model)
 
     def record_params(self, model: nn.Module) -> None:
-        """After the optimizer step."""
+        """After the optimizer step (a perturbed run's weights then move again: EveryStep)."""
         if self._tracer is not None:
             self._tracer.record_params(model)
+        if self._every_step is not None:
+            self._every_step.after_step(model)
 
     def record_param_grad_shards(self, shards: Mapping[str, Any]) -> None:
         if self._tracer is not None:

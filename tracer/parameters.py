@@ -65,6 +65,28 @@ def perturb_parameters(model: nn.Module, layouts: Mapping[str, Layout], perturb:
         local.copy_(step_ulp(local, up))
 
 
+class EveryStep:
+    """`tolerance.perturbation_steps=every`: a perturbed run's weights moved one ulp again after every
+    optimizer step, with fresh signs per step. A parallel layout rounds differently at every step, not
+    only at the first; over hundreds of steps (`ttrace scan`) runs moved once at the start drift apart
+    far less than an honest layout does from its reference (a clean 1000-step tp2_dp2 scan left its
+    band from step 212 on, up to 31x, with the initial move alone)."""
+
+    STRIDE = 1009   # seeds r + STRIDE * (k + 1): per run r and step k, never the initial move's r
+
+    def __init__(self, layouts: Mapping[str, Layout], perturb: int, coords: Mapping[str, int],
+                 sizes: Mapping[str, int], rename: Rename | None):
+        self.layouts, self.perturb, self.rename = layouts, perturb, rename
+        self.coords, self.sizes = coords, sizes
+        self.steps = 0
+
+    @torch.no_grad()
+    def after_step(self, model: nn.Module) -> None:
+        self.steps += 1
+        perturb_parameters(model, self.layouts, self.perturb + self.STRIDE * self.steps, self.coords,
+                           self.sizes, rename=self.rename)
+
+
 def default_init(name: str, module: nn.Module) -> str:
     """norm weights ones, norm and other biases zeros, everything else normal."""
     kind = name.rpartition(".")[2]

@@ -191,3 +191,40 @@ def test_a_command_is_split_like_a_shell_line_with_the_ranks_variables():
     env = {"TTRACE_RUN": "candidate", "RANK": "1"}
     assert command_argv("python 'my train.py' --run $TTRACE_RUN --r=${RANK}", env) == \
         ["python", "my train.py", "--run", "candidate", "--r=1"]
+
+
+class _NullTracer:
+    """Records nothing (the session's tracer_factory): the test looks at the weights only."""
+    def __getattr__(self, name):
+        import contextlib
+
+        return lambda *a, **k: contextlib.nullcontext() if name in ("step", "microbatch") else None
+
+
+@pytest.mark.parametrize("steps_mode", ["first", "every"])
+def test_a_perturbed_run_moves_its_weights_after_every_step_only_when_asked(steps_mode):
+    """tolerance.perturbation_steps=every (`ttrace scan`): after each optimizer step (record_params) the
+    perturbed run's weights move one ulp again, with new signs each step; `first` moves them once."""
+    spec = {"parallel": {"name": "single", "world_size": 1}, "seed": 7, "steps": 3,
+            "trace": {"store_url": "memory://s", "role": "perturbed", "run": "perturbed-1", "perturb": 1,
+                      "fingerprint": "f", "perturbation_steps": steps_mode}}
+    tr = Session(JobConfig.from_spec(spec, env={"RANK": "0", "WORLD_SIZE": "1"}),
+                 tracer_factory=lambda *a: _NullTracer())
+    m = model()
+    start = {n: p.detach().clone() for n, p in m.named_parameters()}
+    tr.attach(m)
+    attached = {n: p.detach().clone() for n, p in m.named_parameters()}
+    assert all(not torch.equal(start[n], attached[n]) for n in start)   # the initial one-ulp move
+    moves = []
+    for step in range(2):
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        with tr.step(step):
+            tr.record_params(m)
+        moves.append({n: p.detach() - before[n] for n, p in m.named_parameters()})
+    w = "0.weight"
+    if steps_mode == "first":
+        assert all(not d.any() for mv in moves for d in mv.values())
+    else:   # every element moved, each step by one ulp, with different signs in the two steps
+        assert all(d.ne(0).all() for mv in moves for d in mv.values())
+        assert not torch.equal(moves[0][w].sign(), moves[1][w].sign())
+        assert (moves[0][w].abs() <= torch.finfo(torch.float32).eps * attached[w].abs().max()).all()
