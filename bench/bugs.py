@@ -116,13 +116,14 @@ def _scan_fields(name: str, res: Any, steps: int, seconds: float) -> dict[str, A
             "scan_line": scan.get("line")}
 
 
-def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> dict[str, Any]:
+def _loss_curves(bugs: list[str], work: Path, steps: int, seeds: int, extra: list[str]) -> dict[str, Any]:
     """Untraced training, `steps` steps: each bug at the recipe seed, each trigger clean at `seeds`
     seeds. Returns {bug: {"curve", "clean", "spread", "first_step"}}."""
     jobs: dict[str, cluster.Job] = {}
 
     def job(key: str, rec: dict[str, Any]) -> None:
-        spec = recipe.job_spec(rec, role="candidate", run=key, store_url="")
+        # trace.enabled=false: nothing is written, but a traced role must name a store (tracer/job_config.py)
+        spec = recipe.job_spec(rec, role="candidate", run=key, store_url=str(work / "loss-curves-untraced"))
         spec["trace"]["enabled"], spec["steps"] = False, steps
         jobs[key] = cluster.Job(key, spec, int(rec["parallel"]["world_size"]), label="loss curve",
                                 timeout_s=float(rec["timeout_s"]) + steps)
@@ -287,7 +288,8 @@ def main() -> int:
         checks_s = time.perf_counter() - t0
         scans = _scans(scan_bugs, work, args.overrides)
         scans_s = time.perf_counter() - t0 - checks_s
-        losses = _loss_curves(bugs, args.loss_steps, args.seeds, args.overrides) if args.loss_steps else {}
+        losses = (_loss_curves(bugs, work, args.loss_steps, args.seeds, args.overrides)
+                  if args.loss_steps else {})
     except TTraceError as e:
         print(f"bench-bugs: error: {e}", file=sys.stderr)
         return 2
@@ -306,6 +308,7 @@ def main() -> int:
               "scan_at_step": sum(r.get("scan_delay") == 0 for r in scanned),
               "scan_correct": sum(bool(r.get("scan_correct_module")) for r in scanned),
               "scan_ok": sum(r["scan_ok"] for r in scanned),
+              "loss_errors": sum(bool(v.get("error")) for v in losses.values()),
               "checks_wall_s": checks_s, "scans_wall_s": scans_s, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.write_text(json.dumps({"totals": totals, "rows": rows,
@@ -315,9 +318,11 @@ def main() -> int:
     print(md)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     # Exit 1 on any miss, any culprit away from its catalogued module, any clean counterpart not passing;
-    # any scan that errs, misses, flags a step before its bug acts, or whose rerun names another module.
+    # any scan that errs, misses, flags a step before its bug acts, or whose rerun names another module;
+    # any loss curve that could not run (its column would be no baseline).
     ok = (totals["detected"] == totals["bugs"] and totals["correct"] == totals["bugs"]
-          and totals["clean_pass"] == totals["clean"] and totals["scan_ok"] == totals["scanned"])
+          and totals["clean_pass"] == totals["clean"] and totals["scan_ok"] == totals["scanned"]
+          and not totals["loss_errors"])
     return 0 if ok else 1
 
 
