@@ -41,7 +41,7 @@ nightly: setup
 bench-tolerance: setup
 	$(BIN)/python bench/tolerance.py $(BENCH_ARGS)
 
-# Bug catalog: detection, culprit, blame window, loss-curve baseline -> bench/bugs.json + bench/bugs.md
+# Bug catalog: detection, culprit, blame window, loss-curve baseline, scan at the real step -> bench/bugs.json + bench/bugs.md
 # (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)
 bench-bugs: setup
 	$(BIN)/python bench/bugs.py $(BENCH_ARGS)

@@ -8,12 +8,19 @@ Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
   blame window    modules the isolation pass could not rule out
   loss shows at   the first training step from which the buggy loss stays away from the clean loss
                   by more than the seed-to-seed spread of clean runs for 10 steps (or "not within N")
+  scan flags at   `ttrace scan`'s first step out of the band (report.json scan.first_step), scanning
+                  Bug.first_step + SCAN_AFTER steps, and the culprit its phase-2 rerun names (the
+                  isolation pass's, else the rerun's first divergence) against `expect`
 
 A late bug (Bug.first_step > 0) is checked at its `early` recipe (it acts at step 1 of the 2-step
-check) and its loss curves run at its `late` recipe, where it first acts at step first_step.
+check); its loss curves and its scan run at its `late` recipe (Bug.scan_recipe), where it first acts
+at step first_step, so the two columns read "steps until the scan flags it" against "steps until the
+loss curve shows it". A late bug's scan is also a clean scan of the steps before it acts: a step
+flagged there is a false alarm.
 
 All checks run in one `run_checks` call on one Ray cluster (each distinct reference computed once);
-the loss curves run untraced, as plain training jobs, on the same cluster.
+the scans run one after another on the same cluster (`run_scan` takes one recipe), and the loss
+curves untraced, as plain training jobs, on it too.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ sys.path.insert(0, str(ROOT))
 from orchestrator import cluster, recipe  # noqa: E402
 from orchestrator.check import run_checks  # noqa: E402
 from orchestrator.nightly import located  # noqa: E402
+from orchestrator.scan import run_scan  # noqa: E402
 from tracer.errors import TTraceError  # noqa: E402
 from workloads.bugs import CATALOG  # noqa: E402
 
 COMMON = ["tracking.enabled=false"]
 SUSTAIN = 10   # loss-curve baseline: steps the loss gap must stay above the seed spread
+SCAN_AFTER = 4   # a scan runs Bug.first_step + SCAN_AFTER steps: the bug's step and a few after it
 
 
 def _checks(bugs: list[str], work: Path, extra: list[str]) -> dict[str, Any]:
@@ -56,13 +65,65 @@ def _checks(bugs: list[str], work: Path, extra: list[str]) -> dict[str, Any]:
     return {label: r for label, r in zip(labels, results, strict=True)}
 
 
-def _loss_curves(bugs: list[str], steps: int, seeds: int, extra: list[str]) -> dict[str, Any]:
+def _scans(bugs: list[str], work: Path, extra: list[str]) -> dict[str, dict[str, Any]]:
+    """`ttrace scan` of each bug at its real step (Bug.scan_recipe), one after another: run_scan takes
+    one recipe. Returns {bug: the row's scan_* fields}."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(bugs):
+        bug = CATALOG[name]
+        steps = bug.first_step + SCAN_AFTER
+        timeout = int(recipe.compose([*COMMON, *extra])["timeout_s"]) + steps   # as the loss curves
+        print(f"bench-bugs: scan {i + 1}/{len(bugs)}: {name}, {steps} steps", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rec = recipe.compose([*bug.scan_recipe, f"bug={name}", f"steps={steps}", f"timeout_s={timeout}",
+                                  *COMMON, *extra])
+            res = run_scan(rec, work / f"scan-{name}", base_dir=str(work))
+        except TTraceError as e:   # run_scan reports its own failures as verdict 'error'; this is a backstop
+            out[name] = {"scan_recipe": " ".join(bug.scan_recipe), "scan_steps": steps,
+                         "scan_verdict": "error", "scan_error": str(e), "scan_first_step": None,
+                         "scan_culprit": None, "scan_correct_module": False, "scan_on_time": False,
+                         "scan_delay": None}
+            continue
+        out[name] = _scan_fields(name, res, steps, time.perf_counter() - t0)
+    return out
+
+
+def _scan_fields(name: str, res: Any, steps: int, seconds: float) -> dict[str, Any]:
+    bug, rep = CATALOG[name], res.report
+    scan = rep.get("scan") or {}
+    rerun = scan.get("rerun") or {}
+    first = scan.get("first_step")
+    c = rep.get("culprit") or {}
+    # where the rerun points: its isolation pass's culprit when resolved, else its first divergence
+    at = c if c.get("resolved") else rerun.get("first_divergence") or {}
+    culprit = f"{at['module']}/{at['kind']}" if at else None
+    fd = rep.get("first_divergence") if first is not None else None   # the fingerprint's, at first_step
+    error = res.message if res.verdict == "error" else rerun.get("error")
+    if first is not None and rerun.get("verdict") == "pass":
+        error = error or "the rerun of the flagged step passed: no culprit"
+    # Before a late bug acts the candidate runs the clean code: a step flagged there is a false alarm. A bug
+    # acting from the first step may already show in the weights as attached (scan step -1).
+    on_time = first is not None and (first >= bug.first_step or (not bug.is_late and first == -1))
+    return {"scan_recipe": " ".join(bug.scan_recipe), "scan_steps": steps, "scan_verdict": res.verdict,
+            "scan_first_step": first,            "scan_tensors": len(scan.get("tensors") or []),
+            "scan_first_divergence": f"{fd['module']}/{fd['kind']}" if fd else None,
+            "scan_rerun_steps": rerun.get("steps"), "scan_rerun_verdict": rerun.get("verdict"),
+            "scan_culprit": culprit, "scan_culprit_step": at.get("step", at.get("global_step")),
+            "scan_correct_module": culprit is not None and fnmatch.fnmatch(culprit, bug.expect),
+            "scan_on_time": on_time, "scan_delay": max(first - bug.first_step, 0) if on_time else None,
+            "scan_error": error, "scan_report": str(res.report_path), "scan_s": round(seconds, 1),
+            "scan_line": scan.get("line")}
+
+
+def _loss_curves(bugs: list[str], work: Path, steps: int, seeds: int, extra: list[str]) -> dict[str, Any]:
     """Untraced training, `steps` steps: each bug at the recipe seed, each trigger clean at `seeds`
     seeds. Returns {bug: {"curve", "clean", "spread", "first_step"}}."""
     jobs: dict[str, cluster.Job] = {}
 
     def job(key: str, rec: dict[str, Any]) -> None:
-        spec = recipe.job_spec(rec, role="candidate", run=key, store_url="")
+        # trace.enabled=false: nothing is written, but a traced role must name a store (tracer/job_config.py)
+        spec = recipe.job_spec(rec, role="candidate", run=key, store_url=str(work / "loss-curves-untraced"))
         spec["trace"]["enabled"], spec["steps"] = False, steps
         jobs[key] = cluster.Job(key, spec, int(rec["parallel"]["world_size"]), label="loss curve",
                                 timeout_s=float(rec["timeout_s"]) + steps)
@@ -110,7 +171,8 @@ def _curve_trigger(name: str) -> list[str]:
     return [*bug.trigger, *bug.late]
 
 
-def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int) -> dict[str, Any]:
+def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int,
+         scan: dict[str, Any] | None) -> dict[str, Any]:
     bug = CATALOG[name]
     rep = res.report
     row: dict[str, Any] = {"bug": name, "trigger": " ".join(bug.recipe), "expect": bug.expect,
@@ -134,8 +196,32 @@ def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: in
         row["loss_first_step"] = loss.get("first_step")
         row["loss_error"] = loss.get("error")
     row["loss_steps"] = steps
-    row["acts_from_step"] = bug.first_step   # in the loss curves (late bugs: their real step)
+    row["acts_from_step"] = bug.first_step   # in the loss curves and the scan (late bugs: their real step)
+    if scan is not None:
+        row.update(scan)
+        row["scan_ok"] = bool(scan.get("scan_on_time") and scan.get("scan_correct_module"))
     return row
+
+
+def _scan_cell(r: dict[str, Any]) -> tuple[str, str]:
+    """The table's "scan flags it at step" and "scan rerun culprit" cells."""
+    if "scan_steps" not in r:
+        return "-", "-"
+    first, acts, delay = r.get("scan_first_step"), r.get("acts_from_step"), r.get("scan_delay")
+    if first is None:
+        at = ("**error**" if r.get("scan_verdict") in (None, "error")
+              else f"**missed** (not within {r['scan_steps']})")
+    elif not r.get("scan_on_time"):
+        at = f"**{first}: before it acts**"
+    else:
+        at = f"{first}" + (f" (**{delay} steps late**)" if delay else "")
+    if acts:
+        at = f"{at} (acts from {acts})"
+    culprit, error = r.get("scan_culprit"), " ".join(str(r.get("scan_error") or "").split()).replace("|", "/")
+    error = error if len(error) <= 160 else error[:157] + "..."
+    cell = (f"{culprit}: {'yes' if r.get('scan_correct_module') else '**no**'}" if culprit
+            else f"**none** ({error})" if error else "**none**")
+    return at, cell
 
 
 def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
@@ -144,10 +230,18 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
              f"culprit at the catalogued module, mean blame window {totals['mean_blame_window']} "
              f"(modules diverged without isolation: {totals['mean_diverged_modules']}), clean "
              f"counterparts passing {totals['clean_pass']}/{totals['clean']}; "
-             f"{totals['wall_s']:.0f} s wall", "",
-             "| bug | trigger recipe | detected | first divergence | culprit | correct module? "
-             "| blame window | modules diverged | loss curve shows it at step |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{totals['wall_s']:.0f} s wall", ""]
+    if totals.get("scanned"):
+        lines += [f"Scans (`ttrace scan` of {totals['scanned']} bugs at their real step, "
+                  f"Bug.first_step + {SCAN_AFTER} steps): {totals['scan_on_time']}/{totals['scanned']} "
+                  f"flagged from the step the bug acts at ({totals['scan_at_step']} at that very step), "
+                  f"{totals['scan_correct']}/{totals['scanned']} rerun culprit at the catalogued module; "
+                  f"{totals['scans_wall_s']:.0f} s. A late bug's check runs the trigger recipe shown (its "
+                  "`early` step 1); its loss curves and scan run Bug.scan_recipe (its real step).", ""]
+    lines += ["| bug | trigger recipe | detected | first divergence | culprit | correct module? "
+              "| blame window | modules diverged | loss curve shows it at step | scan flags it at step "
+              "| scan rerun culprit: correct? |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         loss = r.get("loss_first_step", "-")
         if "loss_first_step" in r and loss is None:
@@ -158,7 +252,8 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
                      f"{r.get('first_divergence', r.get('error', '-'))} | "
                      f"{r.get('culprit') or 'unresolved'} | "
                      f"{'yes' if r.get('correct_module') else '**no**'} | "
-                     f"{r.get('blame_window', '-')} | {r.get('diverged_modules', '-')} | {loss} |")
+                     f"{r.get('blame_window', '-')} | {r.get('diverged_modules', '-')} | {loss} | "
+                     f"{' | '.join(_scan_cell(r))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,6 +263,9 @@ def main() -> int:
                     "built-in-trainer bug)")
     ap.add_argument("--loss-steps", type=int, default=200, help="loss-curve baseline length (0: skip)")
     ap.add_argument("--seeds", type=int, default=3, help="clean seeds for the loss spread")
+    ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
+                    help="`ttrace scan` each bug at its real step (--no-scan: skip)")
+    ap.add_argument("--scan-bugs", default="", help="comma-separated subset of --bugs to scan (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "bugs.json"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides applied to every check")
     args = ap.parse_args()
@@ -178,17 +276,26 @@ def main() -> int:
     if unknown:
         print(f"bench-bugs: unknown bugs {unknown}; `ttrace bugs` lists the catalog", file=sys.stderr)
         return 2
+    scan_bugs = ([b for b in args.scan_bugs.split(",") if b] or bugs) if args.scan else []
+    if set(scan_bugs) - set(bugs):
+        print(f"bench-bugs: --scan-bugs {sorted(set(scan_bugs) - set(bugs))} are not among the bugs benched "
+              "(--bugs)", file=sys.stderr)
+        return 2
     work = ROOT / "bench" / "bugs_runs" / time.strftime("%Y%m%d-%H%M%S")
     t0 = time.perf_counter()
     try:
         checks = _checks(bugs, work, args.overrides)
         checks_s = time.perf_counter() - t0
-        losses = _loss_curves(bugs, args.loss_steps, args.seeds, args.overrides) if args.loss_steps else {}
+        scans = _scans(scan_bugs, work, args.overrides)
+        scans_s = time.perf_counter() - t0 - checks_s
+        losses = (_loss_curves(bugs, work, args.loss_steps, args.seeds, args.overrides)
+                  if args.loss_steps else {})
     except TTraceError as e:
         print(f"bench-bugs: error: {e}", file=sys.stderr)
         return 2
     rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].recipe)], losses.get(b),
-                 args.loss_steps) for b in bugs]
+                 args.loss_steps, scans.get(b)) for b in bugs]
+    scanned = [r for r in rows if "scan_steps" in r]
     cleans = [r for k, r in checks.items() if k.startswith("clean:")]
     windows = [r["blame_window"] for r in rows if r.get("blame_window")]
     totals = {"bugs": len(rows), "detected": sum(r["detected"] for r in rows),
@@ -197,7 +304,12 @@ def main() -> int:
               "mean_blame_window": round(statistics.mean(windows), 2) if windows else None,
               "mean_diverged_modules": round(statistics.mean(r.get("diverged_modules", 0) for r in rows), 1),
               "clean": len(cleans), "clean_pass": sum(r.verdict == "pass" for r in cleans),
-              "checks_wall_s": checks_s, "wall_s": time.perf_counter() - t0}
+              "scanned": len(scanned), "scan_on_time": sum(bool(r.get("scan_on_time")) for r in scanned),
+              "scan_at_step": sum(r.get("scan_delay") == 0 for r in scanned),
+              "scan_correct": sum(bool(r.get("scan_correct_module")) for r in scanned),
+              "scan_ok": sum(r["scan_ok"] for r in scanned),
+              "loss_errors": sum(bool(v.get("error")) for v in losses.values()),
+              "checks_wall_s": checks_s, "scans_wall_s": scans_s, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.write_text(json.dumps({"totals": totals, "rows": rows,
                                "loss_curves": {k: v for k, v in losses.items()}}, indent=1))
@@ -205,9 +317,12 @@ def main() -> int:
     out.with_suffix(".md").write_text(md)
     print(md)
     print(f"wrote {out} and {out.with_suffix('.md')}")
-    # Exit 1 on any miss, any culprit away from its catalogued module, any clean counterpart not passing.
+    # Exit 1 on any miss, any culprit away from its catalogued module, any clean counterpart not passing;
+    # any scan that errs, misses, flags a step before its bug acts, or whose rerun names another module;
+    # any loss curve that could not run (its column would be no baseline).
     ok = (totals["detected"] == totals["bugs"] and totals["correct"] == totals["bugs"]
-          and totals["clean_pass"] == totals["clean"])
+          and totals["clean_pass"] == totals["clean"] and totals["scan_ok"] == totals["scanned"]
+          and not totals["loss_errors"])
     return 0 if ok else 1
 
 
