@@ -122,9 +122,11 @@ SCRIPTS = {
                 "print('CUDA out of memory (pretend)', file=sys.stderr)\nsys.exit(3)\n",
     "untraced.py": "print('training without ever calling tracer.session()')\n",
     "unattached.py": "import tracer\ntr = tracer.session()\nprint('set up, but no model attached')\n",
-    "rank1_dies.py": "import os, sys, tracer\ntr = tracer.session()\n"
+    # Rank 1 dies while rank 0 waits for it in the process group's rendezvous (as in a collective):
+    # the error names rank 1, however late its worker started.
+    "rank1_dies.py": "import os, sys, tracer\nimport torch.distributed as dist\ntr = tracer.session()\n"
                      "if os.environ['RANK'] == '1':\n    print('rank 1 gives up', file=sys.stderr)\n"
-                     "    sys.exit(5)\n",
+                     "    sys.exit(5)\ndist.init_process_group('gloo')\n",
 }
 
 
