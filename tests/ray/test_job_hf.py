@@ -41,7 +41,8 @@ def results(ray_cluster, tmp_path_factory):
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("hf_checks")
-    common = ["job=hf", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    common = ["job=hf", "tracking.enabled=false", "tolerance.perturbations=2",
+              f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2", *common]), work / "clean-tp2")]
     items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))

@@ -150,7 +150,8 @@ BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"]
 @pytest.fixture(scope="module")
 def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("megatron_checks")
-    common = ["job=megatron_core", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    common = ["job=megatron_core", "tracking.enabled=false", "tolerance.perturbations=2",
+              f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2_sp", *common]), work / "clean-tp2_sp")]
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
     out = run_checks(items, base_dir=str(work))

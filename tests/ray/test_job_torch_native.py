@@ -70,7 +70,8 @@ def results(ray_cluster, tmp_path_factory):
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("torch_native_checks")
-    common = ["job=torch_native", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    common = ["job=torch_native", "tracking.enabled=false", "tolerance.perturbations=2",
+              f"cluster.address={ray_cluster}"]
     items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
     # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced.
     items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
