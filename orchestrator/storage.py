@@ -10,6 +10,7 @@ files of each process (driver and Ray workers), and are never logged.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import fsspec
@@ -35,7 +36,9 @@ def preflight(url: str, opts: dict[str, Any]) -> None:
     try:
         fs, path = fsspec.core.url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
-        probe = f"{path.rstrip('/')}/.ttrace-probe"
+        # Unique per check: checks sharing a store run concurrently (sweeps, test fixtures), and a
+        # shared probe name let one check delete the probe another was about to remove.
+        probe = f"{path.rstrip('/')}/.ttrace-probe-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
     except Exception as e:

@@ -22,8 +22,9 @@ MOE_BUGGY = {"moe_router_grad_unreduced": ("ep2_tp2", "layers.0.mlp.router", "pa
 @pytest.fixture(scope="module")
 def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("variant_checks")
-    common = ["model=llama_tiny", "tracking.enabled=false", "localize=false",
-              f"cluster.address={ray_cluster}"]
+    # One step (forward, backward, optimizer step: every kind the bugs show in), R=2 perturbed runs.
+    common = ["model=llama_tiny", "tracking.enabled=false", "localize=false", "steps=1",
+              "tolerance.perturbations=2", f"cluster.address={ray_cluster}"]
     items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
     items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
     moe = ["model=moe_tiny", *common[1:]]

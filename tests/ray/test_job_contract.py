@@ -170,9 +170,9 @@ def test_a_hung_command_is_stopped_with_its_process(ray_cluster, tmp_path):
     (tmp_path / "hang_forever.py").write_text(
         "import time, tracer\ntr = tracer.session()\nprint('hanging', flush=True)\ntime.sleep(3600)\n")
     rec = compose(["job.command=python hang_forever.py", "parallel=single", "tolerance.perturbations=2",
-                   "timeout_s=15", "tracking.enabled=false", f"cluster.address={ray_cluster}"])
+                   "timeout_s=10", "tracking.enabled=false", f"cluster.address={ray_cluster}"])
     res = run_check(rec, tmp_path / "out", base_dir=str(tmp_path))
-    assert res.verdict == "error" and "timed out after 15s" in res.message, res.message
+    assert res.verdict == "error" and "timed out after 10s" in res.message, res.message
     left = lambda: [p for p in psutil.process_iter(["cmdline"])
                     if "hang_forever.py" in " ".join(p.info["cmdline"] or [])]
     deadline = time.monotonic() + 20
@@ -201,28 +201,35 @@ if os.environ.get("ABORT") == "after":
 def test_an_abort_after_a_complete_trace_is_a_warning_and_before_it_an_error(ray_cluster, tmp_path):
     """torch's gloo teardown can abort a finished rank at interpreter exit (SIGABRT): its trace is
     complete, the check goes on and says so. A rank that aborts before committing its trace fails."""
-    from orchestrator.check import run_check
+    from orchestrator.check import run_checks
     from orchestrator.recipe import compose
 
-    (tmp_path / "job.py").write_text(ABORTS_AT_EXIT)
-    common = ["job.command=python job.py", "parallel=single", "tolerance.perturbations=2",
-              "tracking.enabled=false", f"cluster.address={ray_cluster}"]
-    res = run_check(compose([*common, "+job.env.ABORT=after"]), tmp_path / "after", base_dir=str(tmp_path))
-    assert res.verdict == "pass", res.message or res.report.get("first_divergence")
+    (tmp_path / "after.py").write_text(ABORTS_AT_EXIT)
+    (tmp_path / "before.py").write_text(ABORTS_AT_EXIT.replace("tr.close()\n", ""))
+    common = ["parallel=single", "tolerance.perturbations=2", "tracking.enabled=false",
+              "+job.env.ABORT=after", f"cluster.address={ray_cluster}"]
+    after, before = run_checks([(compose([f"job.command=python {s}.py", *common]), tmp_path / s)
+                                for s in ("after", "before")], base_dir=str(tmp_path))
+    assert after.verdict == "pass", after.message or after.report.get("first_divergence")
     assert any("rank 0 was killed by signal 6 (SIGABRT) after committing a complete trace" in w
-               for w in res.report["warnings"]), res.report.get("warnings")
-    (tmp_path / "job.py").write_text(ABORTS_AT_EXIT.replace("tr.close()\n", ""))
-    res = run_check(compose([*common, "+job.env.ABORT=after"]), tmp_path / "before", base_dir=str(tmp_path))
-    assert res.verdict == "error" and "rank 0 was killed by signal 6 (SIGABRT)" in res.message, res.message
+               for w in after.report["warnings"]), after.report.get("warnings")
+    assert before.verdict == "error" and "rank 0 was killed by signal 6 (SIGABRT)" in before.message, \
+        before.message
 
 
 # -- runs made elsewhere: plain torchrun, no Ray ---------------------------------------------------
-def _torchrun(cwd: Path, nproc: int, env: dict[str, str], *flags: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", "examples/ddp_by_hand/train.py", *flags],
-                          cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return "\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith("step "))
+def _torchrun(cwd: Path, nproc: int, env: dict[str, str], *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={nproc}", "examples/ddp_by_hand/train.py", *flags],
+                            cwd=cwd, env={**os.environ, **env}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _losses(proc: subprocess.Popen) -> str:
+    """The launch's loss lines, once it has exited 0."""
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    return "\n".join(ln for ln in out.splitlines() if ln.startswith("step "))
 
 
 def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp_path):
@@ -230,35 +237,44 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
     (TTRACE_* variables), then `ttrace compare STORE`. Untraced, the script trains unchanged: the
     candidate's losses are bit-identical to a plain run's."""
     store = tmp_path / "store"
-    plain = _torchrun(user_repo, 2, {})
+    plain = _losses(_torchrun(user_repo, 2, {}))
     assert plain.count("step ") == 2 and not store.exists()
+    # The five traced launches are independent (each its own run in the store): started together.
     t = {"TTRACE_STORE": str(store)}
-    _torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "reference"})
-    for r in (1, 2):
-        _torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "perturbed", "TTRACE_PERTURB": str(r)})
-    assert _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate"}) == plain
-    _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate", "TTRACE_RUN": "candidate-bug"},
-              "--bug", "skip_1d_allreduce")
+    launches = [_torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "reference"}),
+                *(_torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "perturbed", "TTRACE_PERTURB": str(r)})
+                  for r in (1, 2)),
+                _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate", "TTRACE_RUN": "candidate-bug"},
+                          "--bug", "skip_1d_allreduce"),
+                _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate"})]
+    losses = [_losses(p) for p in launches]
+    assert losses[-1] == plain
 
-    def compare(*args: str) -> tuple[int, dict, str]:
-        proc = subprocess.run([TTRACE, "compare", str(store), *args], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
-        paths = report_paths(proc.stdout, tmp_path)
-        return proc.returncode, json.loads(paths[-1].read_text()) if paths else {}, proc.stdout + proc.stderr
+    def compare(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([TTRACE, "compare", str(store), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
-    code, report, out = compare()
+    def result(proc: subprocess.Popen) -> tuple[int, dict, str]:
+        stdout, stderr = proc.communicate(timeout=300)
+        paths = report_paths(stdout, tmp_path)
+        return proc.returncode, json.loads(paths[-1].read_text()) if paths else {}, stdout + stderr
+
+    # Three independent judgements of one store, started together; only the first logs to MLflow.
+    clean, bug, same = (compare(), compare("--candidate", "candidate-bug", "tracking.enabled=false"),
+                        compare("--perturbed", "reference,perturbed-1", "tracking.enabled=false"))
+    code, report, out = result(clean)
     assert code == 0 and report["verdict"] == "pass", out
     assert report["reference"]["runs"]["perturbed"] == ["perturbed-1", "perturbed-2"]
     assert report["recipe"]["parallel"]["world_size"] == 2
-    code, report, out = compare("--candidate", "candidate-bug", "tracking.enabled=false")
+    code, report, out = result(bug)
     assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
+    code, _, out = result(same)
+    assert code == 2 and "bit-identical to reference" in out, out
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")   # the first compare
     assert run.data.tags["verdict"] == "pass"
-    code, _, out = compare("--perturbed", "reference,perturbed-1", "tracking.enabled=false")
-    assert code == 2 and "bit-identical to reference" in out, out
 
 
 def test_ttrace_compare_help_names_its_options():

@@ -134,7 +134,8 @@ def row_parallel_checks(ray_cluster, tmp_path_factory):
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("localization")
-    common = ["parallel=tp2", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    common = ["parallel=tp2", "tracking.enabled=false", "tolerance.perturbations=2",
+              f"cluster.address={ray_cluster}"]
     items = [(compose([*common, "bug=row_parallel_bias_per_rank"]), work / "bug"),
              (compose([*common, "localize=always"]), work / "clean")]
     bug, clean = run_checks(items, base_dir=str(work))
@@ -144,7 +145,10 @@ def row_parallel_checks(ray_cluster, tmp_path_factory):
 def test_row_parallel_bias_culprit_is_the_first_row_parallel_layer(row_parallel_checks):
     bug, _ = row_parallel_checks
     rep = bug.report
-    assert bug.verdict == "fail"
+    assert bug.verdict == "fail" and bug.exit_code == 1
+    # The first tensor beyond tolerance is the first row-parallel output, at step 1 (biases start at 0).
+    fd, first = rep["first_divergence"], next(t for t in rep["tensors"] if not t["ok"])
+    assert (fd["module"], fd["kind"]) == ("layers.0.attn.proj", "output") and first["step"] == 1, fd
     # The bias is added once per TP rank in EVERY RowParallelLinear: from layers.0.attn.proj on,
     # every tensor of step 1 diverges (a cascade over the whole network) ...
     failing = {t["module"] for t in rep["tensors"] if not t["ok"] and t["step"] == 1}
