@@ -38,8 +38,10 @@ def user_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 CHECKS = {
     "tp_sp": ["job.command=python examples/dtensor_tp_sp/train.py", "parallel=tp2_sp"],
     "tp_sp_bug": ["job.command=python examples/dtensor_tp_sp/train.py --bug norm_not_sequence_parallel",
-                  "parallel=tp2_sp"],
-    "ddp_bug": ["job.command=python examples/ddp_by_hand/train.py --bug skip_1d_allreduce", "parallel=dp2"],
+                  "parallel=tp2_sp", "tracking.enabled=false"],
+    # Detection only: the isolation pass of a command job is the tp_sp_bug check's.
+    "ddp_bug": ["job.command=python examples/ddp_by_hand/train.py --bug skip_1d_allreduce", "parallel=dp2",
+                "localize=false", "tracking.enabled=false"],
     "ddp_entrypoint": ["--config-dir", "recipes", "job=ddp_by_hand", "parallel=two_replicas"],
 }
 
@@ -91,7 +93,6 @@ def test_data_parallel_by_hand_skipping_1d_all_reduces_fails_at_a_1d_param(check
     assert code == 1 and report["verdict"] == "fail", output
     fd = report["first_divergence"]
     assert fd["kind"] == "param_grad" and fd["module"] == "blocks.0.norm", fd
-    assert report["culprit"]["module"] == "blocks.0.norm" and report["blame_window"]["size"] == 1
 
 
 def test_a_function_is_a_job_too_and_a_teams_own_recipe_options_are_found(checks):
@@ -110,7 +111,8 @@ def test_user_jobs_are_logged_to_mlflow_with_their_job(checks, user_repo):
     mlflow.set_tracking_uri(f"sqlite:///{user_repo}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
     by_check = {r.data.tags["check_id"]: r for r in runs}
-    for _, _, report in checks.values():
+    for name in ("tp_sp", "ddp_entrypoint"):   # the checks that log (the bug checks do not)
+        report = checks[name][2]
         run = by_check[report["check_id"]]
         assert run.data.tags["job"] == report["job"]["label"]
         assert run.data.tags["verdict"] == report["verdict"]

@@ -2,8 +2,9 @@
 
 Unit (no Ray, two gloo processes): the plan read from megatron's module attributes gives the Megatron
 layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 output (per-group
-layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes and each
-bug injected into megatron-core exits 1 at the module the catalog names.
+layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes and a
+bug injected into megatron-core exits 1 at the module the catalog names, which the isolation pass
+confirms.
 """
 
 import fnmatch
@@ -144,10 +145,9 @@ def test_layer_renaming_pp2_from_layer_numbers(plans):
 
 
 # -- real Ray checks ----------------------------------------------------------------------------
-BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"]
-# The isolation pass on megatron-core's modules runs for the first bug; the others are detection only
-# (each isolation job is two fresh processes importing megatron-core, ~6 s of CPU each).
-ISOLATED = BUGGY[:1]
+# One catalog bug injected into megatron-core, with the isolation pass (every rank a fresh process
+# importing megatron-core, ~6 s of CPU each); the other megatron bugs: `make bench-bugs`.
+BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"][:1]
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +156,7 @@ def results(ray_cluster, tmp_path_factory):
     common = ["job=megatron_core", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2_sp", *common]), work / "clean-tp2_sp")]
-    items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common,
-                        *([] if b in ISOLATED else ["localize=false"])]), work / b) for b in BUGGY]
+    items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
     out = run_checks(items, base_dir=str(work))
     return dict(zip(["clean-tp2_sp", *BUGGY], out, strict=True))
 
@@ -170,13 +169,10 @@ def test_clean_megatron_tp2_sp_passes(results):
 
 @pytest.mark.parametrize("bug", BUGGY)
 def test_megatron_bug_is_localized(results, bug):
-    assert len(BUGGY) >= 2
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
     fd = res.report["first_divergence"]
     assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[bug].expect), fd
-    if bug not in ISOLATED:
-        return
     # The isolation pass on megatron-core's own modules (plan read from their attributes).
     culprit = res.report["culprit"]
     assert culprit["resolved"] and fnmatch.fnmatch(f"{culprit['module']}/{culprit['kind']}",
