@@ -15,7 +15,6 @@ submissible_tasks_.end()`, ray-project/ray#54846).
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -27,9 +26,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from orchestrator.rank_logs import node_id
+from orchestrator.rank_tasks import free_port, rank_task, rendezvous, worker_env  # noqa: F401 (free_port: benches)
 from tracer.errors import ConfigError, JobError
 
-BUILTIN_ENTRYPOINT = "workloads.train:main"   # the built-in trainer (orchestrator.recipe.job_of)
 MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
 FAILURE_GRACE_S = 3.0
 
@@ -39,28 +39,17 @@ def ensure_ray(cluster: dict[str, Any]) -> float:
     t0 = time.perf_counter()
     if not ray.is_initialized():
         address = cluster.get("address")
-        # Ray workers must import this checkout's packages, wherever the driver was started from.
-        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
-            p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}}
+        env = {"env_vars": worker_env()}
         if address:
             ray.init(address=address, runtime_env=env, log_to_driver=False, logging_level="ERROR")
         else:
             num_cpus = cluster.get("num_cpus") or max(os.cpu_count() or 1, MIN_LOCAL_CPUS)
+            # Idle workers beyond the soft limit are killed after a second; warm ones are worth keeping
+            # (the built-in trainer's and each pool of forking workers, forked_rank.py).
             ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
-                     log_to_driver=False, logging_level="ERROR")
+                     log_to_driver=False, logging_level="ERROR",
+                     _system_config={"num_workers_soft_limit": 3 * num_cpus})
     return time.perf_counter() - t0
-
-
-def node_id() -> str | None:
-    """This process's Ray node (a rank on the same node writes its log straight into the check dir)."""
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def free_port(host: str = "") -> int:
-    """A port free on this node right now (another process may still take it: see _port_race)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rank_worker_pids() -> list[int]:
@@ -76,39 +65,6 @@ def rank_worker_pids() -> list[int]:
         except psutil.Error:
             pass
     return pids
-
-
-@ray.remote(num_cpus=0)
-def _rendezvous() -> tuple[str, int]:
-    """Address and a free port on the node of rank 0, for torch.distributed's TCP store."""
-    return ray.util.get_node_ip_address(), free_port()
-
-
-def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
-              local: tuple[int, int]) -> dict[str, Any]:
-    from orchestrator.jobs import run_rank
-
-    return run_rank(spec, rank, world_size, *rdzv, *local)
-
-
-_rank = ray.remote(max_retries=0)(_run_rank)
-# One fresh worker process per rank (max_calls=1) for in-process jobs other than the built-in trainer.
-# torch's DTensor keeps process-global state across process groups: a Ray worker reused for rank 1
-# after hosting rank 0 of an earlier job silently takes rank 0's chunk in the backward of an
-# all-gather (a clean torch_native tp2_sp check failed with rank 1's logits gradient equal to rank
-# 0's half; torch 2.13, gloo; scripts/repro_dtensor_reused_process.py; clearing DTensor's
-# redistribute and sharding caches does not help). Megatron and transformers keep process-global
-# state too, and so may any user entrypoint. The built-in trainer keeps none and reuses warm
-# workers (each fresh one pays the torch import); a command job runs in a child process of its own.
-_rank_fresh = ray.remote(max_retries=0, max_calls=1)(_run_rank)
-
-
-def rank_task(spec: dict[str, Any]) -> Any:
-    """The remote function a job's ranks run: a fresh process each unless the job is the built-in
-    trainer or a command (whose rank is a child process anyway)."""
-    job = spec.get("job") or {}
-    reuse = bool(job.get("command")) or job.get("entrypoint") == BUILTIN_ENTRYPOINT
-    return _rank if reuse else _rank_fresh
 
 
 @dataclass
@@ -226,10 +182,11 @@ def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
     strategy = lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
     # The rendezvous result is passed as an ObjectRef: Ray resolves it before the ranks start, so
     # launching never blocks the scheduling loop.
-    rdzv = _rendezvous.options(scheduling_strategy=strategy(0)).remote()
+    rdzv = rendezvous.options(scheduling_strategy=strategy(0)).remote()
     local = _local_ranks(pg, job.world_size)
-    return [rank_task(job.spec).options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
-                          num_gpus=pg.bundle_specs[i].get("GPU", 0))
+    task, options = rank_task(job.spec)
+    return [task.options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
+                         num_gpus=pg.bundle_specs[i].get("GPU", 0), **options)
             .remote(job.spec, i, job.world_size, rdzv, local[i]) for i in range(job.world_size)]
 
 

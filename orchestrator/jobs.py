@@ -30,6 +30,8 @@ from typing import Any
 from orchestrator.rank_logs import RankLog, output_to, pump, rank_log
 from tracer.errors import ConfigError, JobError
 
+BUILTIN_ENTRYPOINT = "workloads.train:main"   # the built-in trainer's entrypoint (recipe.job_of)
+
 # The child runs this first: it asks the kernel to kill it when the Ray worker that started it dies
 # (its job stopped by removing the placement group, tracer/cluster.py), then execs the program. A
 # preexec_fn would do the same but may deadlock in a process with threads, as Ray workers are.
@@ -54,14 +56,16 @@ def rank_env(spec: Mapping[str, Any], rank: int, world_size: int, master_addr: s
 
 
 def run_rank(spec: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int,
-             local_rank: int | None = None, local_world_size: int | None = None) -> dict[str, Any]:
-    """Run one rank to completion; {"rank", "seconds", "log", ...what an entrypoint returned}."""
+             local_rank: int | None = None, local_world_size: int | None = None,
+             node: str | None = None) -> dict[str, Any]:
+    """Run one rank to completion; {"rank", "seconds", "log", ...what an entrypoint returned}.
+    `node`: this process's Ray node, when Ray cannot be asked (a forked rank, forked_rank.py)."""
     t0 = time.perf_counter()
     job = spec["job"]
     env = rank_env(spec, rank, world_size, master_addr, master_port,
                    rank if local_rank is None else local_rank,
                    world_size if local_world_size is None else local_world_size)
-    with rank_log(spec, rank) as log:
+    with rank_log(spec, rank, node) as log:
         if job.get("command"):
             out = _run_command(job, env, log, rank)
             warning = _check_exit(spec, rank, out["exit_code"], log)

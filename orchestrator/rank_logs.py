@@ -59,10 +59,11 @@ class RankLog:
 
 
 @contextlib.contextmanager
-def rank_log(spec: Mapping[str, Any], rank: int) -> Iterator[RankLog]:
+def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Iterator[RankLog]:
+    """The rank's log file; `here` is this process's Ray node (asked of Ray when not given)."""
     log = spec.get("log") or {}
     name = f"rank{rank:05d}.log"
-    here = _node_id()
+    here = here or node_id()
     if log.get("dir") and (not log.get("node") or log.get("node") == here):
         rl = RankLog(Path(log["dir"]) / name, local=True)
     else:
@@ -73,7 +74,7 @@ def rank_log(spec: Mapping[str, Any], rank: int) -> Iterator[RankLog]:
         rl.file.close()
 
 
-def _node_id() -> str | None:
+def node_id() -> str | None:
     try:
         import ray
 

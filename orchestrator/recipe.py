@@ -17,12 +17,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import layouts
+from orchestrator.jobs import BUILTIN_ENTRYPOINT
 from orchestrator.layouts import RECIPES, SINGLE_DEVICE  # noqa: F401  (recipe.RECIPES, recipe.SINGLE_DEVICE)
 from tracer.errors import ConfigError
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
-BUILTIN_ENTRYPOINT = "workloads.train:main"
 KINDS = ("output", "grad_output", "param_grad", "param", "loss")   # what a tracer records (trace.kinds)
 OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 

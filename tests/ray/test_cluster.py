@@ -28,19 +28,91 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
     assert len(calls) == 2 and calls[0] == blocker.id   # the blocker's own ready(), then the job's once
 
 
-def test_in_process_jobs_other_than_the_builtin_run_each_rank_in_a_fresh_worker_process():
-    """torch's DTensor keeps per-process state across process groups: a worker reused for rank 1
-    after rank 0 of another job took rank 0's gradient chunk (a clean torch_native tp2_sp check
-    failed this way; scripts/repro_dtensor_reused_process.py). Entrypoint jobs get a fresh process
-    per rank; the built-in trainer, which keeps no such state, reuses warm workers, and so does a
-    command job, whose rank is a child process of its own."""
-    from orchestrator import cluster
+def test_which_ranks_run_in_the_worker_and_which_are_forked_from_a_pool_of_their_own():
+    """The built-in trainer keeps no process-global state and runs in warm workers itself, as does a
+    command job (its rank is a child process anyway). Other entrypoints are forked, each adapter from
+    workers of its own pool (megatron-core's import-time shims never reach another job's ranks), a
+    user's entrypoint from workers that preloaded torch only (its module is never imported before
+    the fork, so a long-lived worker cannot run a stale copy)."""
+    from orchestrator import rank_tasks
+    from orchestrator.forked_rank import HOST_ENV, preloads
     from orchestrator.recipe import compose, job_of
 
-    assert cluster.rank_task({"job": job_of(compose([]))}) is cluster._rank
-    assert cluster.rank_task({"job": job_of(compose(["job.command=python train.py"]))}) is cluster._rank
+    assert rank_tasks.rank_task({"job": job_of(compose([]))}) == (rank_tasks._rank, {})
+    command = {"job": job_of(compose(["job.command=python train.py"]))}
+    assert rank_tasks.rank_task(command)[0] is rank_tasks._rank
+    pools = set()
     for job in ("torch_native", "hf", "megatron_core"):
-        assert cluster.rank_task({"job": job_of(compose([f"job={job}"]))}) is cluster._rank_fresh
-    assert cluster.rank_task({"job": {"entrypoint": "mypkg.train:main"}}) is cluster._rank_fresh
-    assert cluster._rank_fresh._default_options.get("max_calls") == 1
-    assert not cluster._rank._default_options.get("max_calls")
+        spec = {"job": job_of(compose([f"job={job}"]))}
+        task, options = rank_tasks.rank_task(spec)
+        assert task is rank_tasks._rank_forked and preloads(spec)[-1] == f"workloads.adapters.{job}"
+        pools.add(options["runtime_env"]["env_vars"][HOST_ENV])
+    user = {"job": {"entrypoint": "mypkg.train:main"}}
+    assert "mypkg.train" not in preloads(user)
+    pools.add(rank_tasks.rank_task(user)[1]["runtime_env"]["env_vars"][HOST_ENV])
+    assert len(pools) == 4
+
+
+_PROBE = """
+import os, sys, time
+TORCH_AT_IMPORT = "torch" in sys.modules   # preloaded by the warm worker before the fork
+CALLS = []
+
+def main():
+    CALLS.append(1)
+    name = f"{os.environ['RUN']}-{os.environ['RANK']}.pid"
+    with open(os.path.join(os.environ["PROBE_DIR"], name), "w") as f:
+        f.write(str(os.getpid()))
+    mode = os.environ.get("MODE", "")
+    if mode == "die" and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), 9)
+    if mode == "raise" and os.environ["RANK"] == "0":
+        raise ZeroDivisionError("probe")
+    if mode == "hang":
+        time.sleep(600)
+    return {"pid": os.getpid(), "parent": os.getppid(), "calls": len(CALLS),
+            "torch_at_import": TORCH_AT_IMPORT}
+"""
+
+
+def _probe_job(name: str, workdir, mode: str = "") -> Job:
+    env = {"PROBE_DIR": str(workdir), "RUN": name, "MODE": mode}
+    return Job(name, {"job": {"entrypoint": "probe_rank:main", "workdir": str(workdir), "env": env},
+                      "trace": {"enabled": False}, "parallel": {"dp": 2}}, world_size=2)
+
+
+def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_cluster, tmp_path):
+    """Entrypoint jobs other than the built-in trainer need a fresh process per rank (DTensor,
+    megatron-core and transformers keep process-global state: scripts/repro_dtensor_reused_process.py).
+    Each rank is forked from a warm worker that imported torch once: module state never carries over
+    from one job to the next, the workers are reused, and a child's failure is reported by rank."""
+    (tmp_path / "probe_rank.py").write_text(_PROBE)
+    first = _probe_job("first", tmp_path)
+    run_jobs([first], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    second, dies, raises = (_probe_job("second", tmp_path), _probe_job("dies", tmp_path, "die"),
+                            _probe_job("raises", tmp_path, "raise"))
+    run_jobs([second, dies, raises], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    assert first.error is None and second.error is None, (first.error, second.error)
+    ranks = first.results + second.results
+    assert all(r["calls"] == 1 for r in ranks), ranks           # a fresh module in every rank
+    assert all(r["torch_at_import"] for r in ranks), ranks     # forked after the warm import
+    assert len({r["pid"] for r in ranks}) == 4
+    assert {r["parent"] for r in second.results} <= {r["parent"] for r in first.results}   # warm reuse
+    assert dies.error and "rank 1's process died (killed by SIGKILL)" in dies.error, dies.error
+    assert raises.error and "rank 0 raised ZeroDivisionError: probe" in raises.error, raises.error
+
+
+def test_a_stopped_job_stops_its_forked_ranks(ray_cluster, tmp_path):
+    """Stopping a job removes its placement group, which kills the warm worker; its forked child
+    must die with it (parent-death signal), or a hung rank would outlive its job."""
+    import psutil
+
+    (tmp_path / "probe_rank.py").write_text(_PROBE)
+    hung = _probe_job("hung", tmp_path, "hang")
+    run_jobs([hung], cpus_per_rank=1, timeout_s=8, error_dir=tmp_path)
+    assert hung.error and "timed out" in hung.error, hung.error
+    pids = [int((tmp_path / f"hung-{r}.pid").read_text()) for r in (0, 1)]
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"forked ranks {pids} outlived their stopped job"
+        time.sleep(0.2)

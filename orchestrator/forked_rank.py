@@ -1,0 +1,125 @@
+"""Fresh rank processes without the start-up cost: fork each from a warm Ray worker.
+
+In-process jobs other than the built-in trainer need a fresh process per rank (orchestrator/cluster.py
+says why: DTensor, megatron-core and transformers keep process-global state). A fresh Ray worker pays
+5-10 s of CPU before the job's first line runs: Python and Ray, torch, `torch._dynamo` (imported by the
+first optimizer) and megatron-core or transformers. Here a warm worker imports those once and forks one
+child per rank. The child starts with the modules loaded and no job state, as a fresh process that had
+imported them would; the worker itself never runs a job, so it stays clean for the next fork.
+
+What the worker imports before forking is fixed (`preloads`): torch for every job, and the entrypoint
+module itself only when it is ttrace's own adapter. A user's module is always imported in the child,
+so a long-lived worker never runs a stale copy of code the user has edited since.
+
+The child dies with the worker (PR_SET_PDEATHSIG): stopping a job by removing its placement group
+(cluster.py) stops its forked ranks too. It reports its result or its exception through a pipe, as
+JSON; a child killed by a signal is a JobError naming the rank and the signal.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from tracer.errors import ConfigError, JobError, TraceError
+
+OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
+BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
+HOST_ENV = "TTRACE_RANK_HOST"         # the warm workers' runtime_env marker: one pool per preload set
+
+
+def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
+    """Modules a warm worker imports before forking this job's ranks."""
+    entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
+    module = entrypoint.partition(":")[0]
+    return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS
+
+
+def host_key(spec: dict[str, Any]) -> str:
+    """Names the pool of warm workers a job's ranks fork from: the last module of its preload set.
+    Ray keeps workers apart by runtime_env, so an adapter's imports (and the shims some apply at
+    import, as megatron-core's does) never reach another job's ranks."""
+    return preloads(spec)[-1]
+
+
+def run_forked(run: Callable[..., dict[str, Any]], spec: dict[str, Any], *args: Any,
+               **kwargs: Any) -> dict[str, Any]:
+    """`run(spec, *args, **kwargs)` in a child forked from this (warm) process; its result, or its
+    exception raised here again."""
+    for module in preloads(spec):
+        importlib.import_module(module)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the child: never returns
+        os.close(read_fd)
+        _child(run, spec, args, kwargs, write_fd)
+    os.close(write_fd)
+    with os.fdopen(read_fd, encoding="utf-8") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    rank = args[0] if args else "?"
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        raise JobError(f"rank {rank}'s process died (killed by {name})")
+    try:
+        message = json.loads(payload)
+    except ValueError:
+        raise JobError(f"rank {rank}'s process exited with code {os.WEXITSTATUS(status)} before "
+                       "reporting a result (see its log)") from None
+    if "error" in message:
+        raise _rebuilt(message["error"]) from ChildTraceback(message["error"]["traceback"])
+    return message["result"]
+
+
+class ChildTraceback(Exception):
+    """Where the forked rank raised (the scheduler saves the whole chain in the rank's error file)."""
+
+
+def _child(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple, kwargs: dict,
+           write_fd: int) -> None:
+    code = 0
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    for sig in (signal.SIGTERM, signal.SIGINT):   # the Ray worker's handlers would act on Ray's state
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        message: dict[str, Any] = {"result": run(spec, *args, **kwargs)}
+    except BaseException as e:   # SystemExit included: the rank's own exit is its failure
+        code = 1
+        message = {"error": {"module": type(e).__module__, "type": type(e).__qualname__, "message": str(e),
+                             "traceback": traceback.format_exc()}}
+    try:
+        payload = json.dumps(message, default=str)
+        with os.fdopen(write_fd, "w", encoding="utf-8") as pipe:
+            pipe.write(payload)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)   # no atexit handlers: they belong to the Ray worker
+
+
+_KNOWN = {c.__name__: c for c in (ConfigError, JobError, TraceError)}
+
+
+def _rebuilt(error: dict[str, str]) -> BaseException:
+    """The child's exception, as the same class where it can be rebuilt from its message (so the
+    scheduler reports it exactly as an in-process rank's), else a RuntimeError naming the class."""
+    name, module, message = error["type"], error["module"], error["message"]
+    cls = _KNOWN.get(name) if module.startswith("tracer.") else None
+    if cls is None and module == "builtins":
+        cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        with contextlib.suppress(Exception):
+            return cls(message)
+    return RuntimeError(f"{module}.{name}: {message}")
