@@ -185,25 +185,33 @@ class Tracer:
 
     def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
         grad_layout = layout if grad_layout is None else grad_layout
+        # Run per module call and per gradient: the record's constant fields bound once here, and the
+        # writer called directly (what `record` does, without its per-call lookups).
+        lay, grad_lay = _layout_json(layout), _layout_json(grad_layout)
+        want_out, want_grad = self.traces("output"), self.traces("grad_output")
+        add = self._writer.add
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             is_seq = isinstance(output, (tuple, list))
             out = output[0] if is_seq else output
-            if not isinstance(out, torch.Tensor) or self._step is None:
+            step = self._step
+            if step is None or not isinstance(out, torch.Tensor):
                 return None
-            mb, step, feed = self._microbatch, self._step, self._feed
-            self.record(path, "output", out, layout, microbatch=mb, module_type=module_type)
+            mb, feed = self._microbatch, self._feed
+            mb_key = "-" if mb is None else mb
+            if want_out:   # canonical_name, tracer.writer.FIELDS
+                add((f"{step}/{mb_key}/{path}/output", path, module_type, "output", step, mb, self._seq,
+                     lay, 1.0), out)
+                self._seq += 1
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = feed.substitute(out, canonical_name(step, mb, path, "output"), layout)
-            if out.requires_grad:
+            if out.requires_grad and (want_grad or feed is not None):
 
                 def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
-                    prev, self._step = self._step, step
-                    try:
-                        self.record(path, "grad_output", grad, grad_layout, microbatch=mb,
-                                    module_type=module_type, scale=self._grad_scale)
-                    finally:
-                        self._step = prev
+                    if want_grad:
+                        add((f"{step}/{mb_key}/{path}/grad_output", path, module_type, "grad_output", step,
+                             mb, self._seq, grad_lay, self._grad_scale), grad)
+                        self._seq += 1
                     if feed is None:
                         return None
                     return feed.local(canonical_name(step, mb, path, "grad_output"), grad_layout, grad,

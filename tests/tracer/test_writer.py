@@ -41,10 +41,11 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _write(root: Path, run: str, flush_bytes: int = 1024) -> dict[str, torch.Tensor]:
+def _write(root: Path, run: str, flush_bytes: int = 1024, mode: str = "full",
+           extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     w = TraceWriter(str(root), run, 0, {"run": run, "rank": 0, "coords": {}, "sizes": {}, "meta": {}},
-                    flush_bytes=flush_bytes)
-    tensors = _tensors()
+                    flush_bytes=flush_bytes, mode=mode)
+    tensors = dict(_tensors(), **(extra or {}))
     for seq, (name, t) in enumerate(tensors.items()):
         w.add((name, name, "", "output", 0, None, seq, Replicate().to_json(), 1.0), t)   # writer.FIELDS
     kept = {n: t.clone() for n, t in tensors.items()}
@@ -63,6 +64,24 @@ def test_parts_written_from_slabs_read_back_bit_for_bit_in_several_parts(tmp_pat
     for name, t in want.items():
         assert got[name].tensor.dtype == t.dtype and got[name].tensor.shape == t.shape, name
         assert torch.equal(got[name].tensor.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_stats_mode_records_the_statistics_of_each_snapshot_as_local_stats_computes_them(tmp_path):
+    """The writer reduces whole-block runs of its slabs (padding zeroed, dtypes mixed, several parts, a
+    tensor larger than a slab): the same statistics as `local_stats` of each tensor alone, within a
+    few ulps of float64 ones, and finite where a float32 block's own reduction would overflow."""
+    huge = torch.full((300,), 3e30)   # its squares overflow float32
+    want = _write(tmp_path, "r", flush_bytes=1024, mode="stats", extra={"huge": huge})
+    manifest = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())
+    assert manifest["files"] == []
+    got = {e["name"]: e["stats"] for e in manifest["entries"]}
+    for name, t in want.items():
+        assert got[name] == local_stats([t])[0], name
+        x = t.double().reshape(-1)
+        assert got[name]["sumsq"] == pytest.approx(float(x.square().sum()), rel=1e-6, abs=1e-30), name
+        assert got[name]["sum"] == pytest.approx(float(x.sum()), rel=1e-6, abs=1e-6), name
+        assert got[name]["absmax"] == (float(x.abs().max()) if x.numel() else 0.0), name
+    assert math.isfinite(got["huge"]["sumsq"])
 
 
 def _to_legacy(rank: Path) -> None:
