@@ -49,6 +49,7 @@ class Blocks:
         return self._sum(torch.linalg.vector_norm(x, dim=1, dtype=torch.float64).square())
 
     def dot(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Per tensor dot product, in float64 (x may be passed already in float64: no copy)."""
         return self._sum((x.double() * y.double()).sum(1))
 
     def count(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Iterator
 
 
@@ -32,9 +33,14 @@ def heap_keeps_chunks() -> Iterator[None]:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    """libc, looked up once per process: ctypes.util.find_library runs ldconfig or a compiler in a
+    subprocess (tens of ms, a fixed cost of every comparison), so the usual soname is tried first."""
+    for name in ("libc.so.6", None):
+        try:
+            libc = ctypes.CDLL(name or ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            continue
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
+    return None

@@ -120,7 +120,10 @@ def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.dtype != b.dtype:
         return a.numel()
     as_int = _SAME_WIDTH_INT[a.element_size()]
-    return int((a.contiguous().view(as_int) != b.contiguous().view(as_int)).sum())
+    ai, bi = a.contiguous().view(as_int), b.contiguous().view(as_int)
+    if torch.equal(ai, bi):   # the honest case, one pass and no temporary
+        return 0
+    return int((ai != bi).sum())
 
 
 def _unzigzag(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -42,15 +42,20 @@ class LogicalTrace:
     tensors: Mapping[str, Assembled]    # in the traced dtype; fp8 scaled and partial sums in float64
     sizes: dict[str, int] = field(default_factory=dict)   # mesh axis sizes of the run
     mode: str = "full"                  # full | stats: statistics only (tracer/stats.py)
+    _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The logical tensor's shape, from the manifest (reads nothing): the lowest rank's local
-        shape with every sharded dim times its axis size."""
-        e = self.info[name]
-        shape = [int(d) for d in e["shape"]]
-        for dim, ax in Layout.from_json(e["layout"]).shard:
-            shape[dim] *= int(self.sizes.get(ax, 1))
-        return tuple(shape)
+        shape with every sharded dim times its axis size. Cached: the comparison asks for each
+        tensor's shape several times per run."""
+        got = self._shapes.get(name)
+        if got is None:
+            e = self.info[name]
+            shape = [int(d) for d in e["shape"]]
+            for dim, ax in Layout.from_json(e["layout"]).shard:
+                shape[dim] *= int(self.sizes.get(ax, 1))
+            got = self._shapes[name] = tuple(shape)
+        return got
 
 
 def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) -> LogicalTrace:
@@ -117,6 +122,8 @@ class StoredTensors(Mapping[str, Assembled]):
         self._parts: dict[tuple[int, str], Future] = {}         # parts read or being read
         self._left: dict[tuple[int, str], int] = {}            # their tensors not assembled yet
         self._read: set[tuple[int, str]] = set()               # parts read at least once
+        self._ahead: set[tuple[int, str]] = set()              # parts whose successors were read ahead
+        self._layouts: dict[str, Layout] = {}                  # name -> parsed layout (parsed once)
         self.resident_max = 0                                   # most parts held at once (bench, tests)
 
     def __len__(self) -> int:
@@ -138,26 +145,32 @@ class StoredTensors(Mapping[str, Assembled]):
             if "stats" in e:
                 raise TraceError(f"{name}: run '{self.run}' recorded only its statistics (trace.mode=stats); "
                                  "its values are not in the store")
-            part = (rt.rank, e["file"])
+            rank = rt.rank
+            part = (rank, e["file"])
             t = self._part(rt, part)[e["key"]]
             scale = float(e.get("scale", 1.0))
             if scale != 1.0:   # fp8 payload with its per-tensor scale: exact in float64
                 t = t.double() * scale
-            pieces.append(Piece(rt.manifest["coords"], t, rt.rank))
+            pieces.append(Piece(rt.manifest["coords"], t, rank))
             self._left[part] -= 1
             if self._left[part] == 0:
                 del self._parts[part], self._left[part]
-        return assemble(name, Layout.from_json(self.info[name]["layout"]), pieces, self.sizes)
+        layout = self._layouts.get(name)
+        if layout is None:
+            layout = self._layouts[name] = Layout.from_json(self.info[name]["layout"])
+        return assemble(name, layout, pieces, self.sizes)
 
     def _part(self, rt: RankTrace, part: tuple[int, str]) -> dict[str, torch.Tensor]:
         if part not in self._parts:
             self._fetch(rt, part)
-        # Read ahead, once each: the walk in execution order needs the rank's next parts next, and
-        # READ_THREADS of them in flight keep every reader busy while this one is used.
-        files, i = self._files[rt.rank], self._position[part]
-        for nxt in files[i + 1:i + 1 + READ_THREADS]:
-            if (rt.rank, nxt) not in self._read:
-                self._fetch(rt, (rt.rank, nxt))
+        # Read ahead, once per part used: the walk in execution order needs the rank's next parts
+        # next, and READ_THREADS of them in flight keep every reader busy while this one is used.
+        if part not in self._ahead:
+            self._ahead.add(part)
+            files, i = self._files[part[0]], self._position[part]
+            for nxt in files[i + 1:i + 1 + READ_THREADS]:
+                if (part[0], nxt) not in self._read:
+                    self._fetch(rt, (part[0], nxt))
         return self._parts[part].result()
 
     def _fetch(self, rt: RankTrace, part: tuple[int, str]) -> None:

@@ -172,8 +172,8 @@ def _measure_chunk(chunk: Sequence[TensorKey],
             sl = blocks.slice(i)
             if k.numel:
                 env_max[i] = float(env_flat[sl].max())
-            r_now = flat(r)[sl]
-            absmax[i] = float(r_now.abs().max()) if k.numel else 0.0
+            r_abs = (r_now := flat(r)[sl]).abs()
+            absmax[i] = float(r_abs.max()) if k.numel else 0.0
             before = excusal.previous.get(k.path)
             if before is not None and before.numel() == k.numel:
                 step_max = float((r_now - before.to(dtype)).abs().max()) if k.numel else 0.0
@@ -195,7 +195,7 @@ def _measure_chunk(chunk: Sequence[TensorKey],
                     excused_dev[i] = float(d_ex.max())
                     # Beyond its own envelope (one ulp of room where no run moved it): honest
                     # candidates do that about as often as a perturbed run does against the others.
-                    room = flat(r.abs())[sl][mask] * k.unit
+                    room = r_abs[mask] * k.unit   # this tensor's elements, not the chunk's
                     beyond[i] = int((d_ex > excusal.k * torch.maximum(env_flat[sl][mask], room)).sum())
                     beyond_noise[i] = max((int((flat(a_full[j])[sl][mask] > excusal.k * torch.maximum(
                         loo[sl][mask], room)).sum()) for j, loo in enumerate(loo_full)), default=0)
@@ -249,11 +249,11 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     rel = ratio(dc2.sqrt(), rn_eff)
     max_err = ratio(blocks.max(adc), r_absmax)
     # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
-    r_dc = blocks.dot(rj, dc)
+    r_dc = blocks.dot(rj64 := rj.double(), dc)   # rj in float64 once, for every projection on r
     # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
     along = lambda x: torch.where(rn2 > 0, x / rn2.clamp_min(1e-300), 0.0)
     scale_err = along(r_dc)
-    scale_noise = max_rows([along(blocks.dot(rj, x)).abs() for x in d]) if ps else zero
+    scale_noise = max_rows([along(blocks.dot(rj64, x)).abs() for x in d]) if ps else zero
     dot = rn2 + r_dc
     cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
     cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), dot / (cn * rn).clamp_min(1e-300))

@@ -9,6 +9,7 @@ corruption are caught. Writing: tracer/writer.py (a background thread; a step ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 from collections.abc import Iterator
@@ -69,8 +70,8 @@ class RankTrace:
     run: str
     manifest: dict[str, Any]
 
-    @property
-    def rank(self) -> int:
+    @functools.cached_property
+    def rank(self) -> int:   # cached: looked up for every piece of every tensor the comparison reads
         return int(self.manifest["rank"])
 
     @property
