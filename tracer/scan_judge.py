@@ -4,12 +4,18 @@ perturbed runs' own deviations give at that step. The first step with a tensor o
 `first_step`; every step gets a summary (its worst error over tolerance, per kind and per module, and
 the loss of the candidate, the reference and the perturbed runs' spread) so drift reads as a curve.
 
-The band at step s pools each tensor family's noise (module path and kind, as stats mode pools a
-step's microbatches) over the last `window` steps: R perturbed runs give R samples of a noise scale
-per step, too few for a max-abs statistic (one element's rounding) tested at every step; the noise
-scale drifts slowly, so the steps before s sample the same scale. The band is made of the perturbed
-runs only: a candidate's bug never widens it.
-Memory: the summaries (a few numbers per step and module), the window's noise per family, and two
+The band never narrows: a tensor family's noise (module path and kind, pooled over a step's
+microbatches as stats mode does) at step s is the largest deviation of any pair of honest runs
+(reference and perturbed, and two perturbed runs: R(R+1)/2 pairs) in that family at any step up to s.
+Runs that start one ulp apart decorrelate: Adam turns gradient noise near zero into whole-size
++-lr moves, and by a few hundred steps the runs are different trajectories (gpt_tiny tp2_dp2: grad
+statistics ~1e-6 apart to step ~150, ~0.5 from ~250 on), which do not recorrelate. Each step's
+statistics are then one draw from the honest trajectories' spread (gradient spikes at random steps),
+whose tail R samples per step, or the last 8 steps, undersample (an 8-step band: 287 of 1000 clean
+steps out; docs/stats_mode.md). The band is made of the perturbed runs only: a candidate's bug
+never widens it. Once it has grown, a later bug must move a statistic beyond anything the honest
+runs did so far to be seen.
+Memory: the summaries (a few numbers per step and module), each family's noise so far, and two
 steps' comparisons."""
 
 from __future__ import annotations
@@ -18,16 +24,17 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import combinations
 from typing import Any
 
 from tracer.errors import TraceError
 from tracer.fingerprint_read import step_of
 from tracer.logical import LogicalTrace
-from tracer.stats_compare import band, judge, logical_stats
+from tracer.stats_compare import Band, band, errors, judge, logical_stats
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison, TensorResult
 
-WINDOW = 8     # steps whose perturbed noise makes a step's band (module doc)
+WINDOW: int | None = None   # steps whose noise makes a step's band; None: every step so far (module doc)
 BEYOND = 1e9   # err/tol reported for a tensor that failed for another reason (replicas, non-finite, shape)
 
 
@@ -79,14 +86,27 @@ def mean_loss(view: LogicalTrace) -> float | None:
     return sum(logical_stats(view, n).sum for n in names) / len(names) if names else None
 
 
+def pair_noise(b: Band, reference: LogicalTrace) -> dict[tuple[int, str, str], list[float]]:
+    """Each family's largest deviation between two perturbed runs (norm, absmax, sum errors, scaled
+    by the reference as the band's are): more samples of what two honest runs differ by."""
+    out: dict[tuple[int, str, str], list[float]] = {}
+    for n in reference.order:
+        f = b.family(reference, n)
+        for x, y in combinations(b.perturbed, 2):
+            e = errors(x[n], y[n], *b.scales[n])
+            out[f] = [max(a, c) for a, c in zip(out.get(f, [0.0, 0.0, 0.0]), e, strict=True)]
+    return out
+
+
 def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTrace],
                 perturbed: Sequence[Iterable[LogicalTrace]], policy: TolerancePolicy,
-                start: int = 0, window: int = WINDOW) -> ScanJudgement:
+                start: int = 0, window: int | None = WINDOW) -> ScanJudgement:
     """Walk the runs' steps together (each an iterable of per-step views); `start`: the global step of
-    local step 0 (init.checkpoint's); `window`: steps pooled into a step's band (1: that step only)."""
+    local step 0 (init.checkpoint's); `window`: steps pooled into a step's band (None: every step so
+    far; 1: that step only)."""
     out = ScanJudgement([])
     worst = -1.0
-    recent: dict[tuple[str, str], deque[list[float]]] = {}   # (module path, kind) -> last steps' noise
+    recent: dict[tuple[str, str], deque[list[float]]] = {}   # (module path, kind) -> steps' noise
     walks = [iter(reference), iter(candidate), *(iter(p) for p in perturbed)]
     while True:
         views = [next(w, None) for w in walks]
@@ -109,10 +129,14 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
                 raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
                                  f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
         b = band(ref, perts)   # perts: per-step views of the perturbed runs
-        for (st, path, kind), noise in b.pooled.items():
-            seen = recent.setdefault((path, kind), deque(maxlen=max(1, window)))
+        pairs = pair_noise(b, ref)
+        for f, noise in b.pooled.items():
+            noise = [max(a, c) for a, c in zip(noise, pairs.get(f, noise), strict=True)]
+            seen = recent.setdefault(f[1:], deque(maxlen=window if window is None else max(1, window)))
+            if window is None and seen:   # every step so far: only the running maximum is kept
+                noise = [max(a, c) for a, c in zip(seen.pop(), noise, strict=True)]
             seen.append(noise)
-            b.pooled[(st, path, kind)] = [max(x) for x in zip(*seen, strict=True)]
+            b.pooled[f] = [max(x) for x in zip(*seen, strict=True)]
         comp = judge(ref, cand, b, policy)
         out.steps.append(_summary(start + step, comp, ref, cand, perts))
         s = out.steps[-1]

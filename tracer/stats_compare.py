@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tracer.errors import TraceError
 from tracer.layouts import Layout
@@ -62,11 +62,13 @@ def errors(x: Stat, r: Stat, norm: float, absmax: float) -> tuple[float, float, 
 class Band:
     """What the perturbed runs say about a reference's tensors: each one's statistics, its scales, its
     own noise per statistic (norm, absmax, sum), and the noise pooled per family (step, module path,
-    kind: over a step's microbatches), of which the tolerances are made."""
+    kind: over a step's microbatches), of which the tolerances are made; `perturbed`: each perturbed
+    run's statistics (tracer/scan_judge.py adds their pairwise deviations)."""
     ref: dict[str, Stat]
     scales: dict[str, tuple[float, float]]
     noise: dict[str, list[float]]
     pooled: dict[tuple[int, str, str], list[float]]
+    perturbed: list[dict[str, Stat]] = field(default_factory=list)
 
     def family(self, reference: LogicalTrace, name: str) -> tuple[int, str, str]:
         e = reference.info[name]
@@ -93,7 +95,7 @@ def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace]) -> Band:
         if any(not ps[n].finite for ps in pert):
             raise TraceError(f"{n}: a perturbed reference run has non-finite values where the reference has "
                              "none; no tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
-    out = Band(ref, {}, {}, {})
+    out = Band(ref, {}, {}, {}, pert)
     for n in order:
         r = ref[n]
         out.scales[n] = (r.norm or max((ps[n].norm for ps in pert), default=0.0),
