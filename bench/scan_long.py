@@ -50,26 +50,30 @@ def record(out: Path, overrides: list[str]) -> dict[str, Any]:
 def judge(path: Path, window: int | None) -> dict[str, Any]:
     run = json.loads((path / "run.json").read_text())
     t0 = time.time()
-    ref, *perts = (FingerprintRun(run["reference_url"], r, run["reference_world"]) for r in run["reference_runs"])
+    ref, *perts = (FingerprintRun(run["reference_url"], r, run["reference_world"])
+                   for r in run["reference_runs"])
     cand = FingerprintRun(run["candidate_url"], "candidate", run["candidate_world"])
     j = judge_steps(ref.steps(), cand.steps(), [p.steps() for p in perts],
                     TolerancePolicy.from_config(run["tolerance"]), window=window)
     out_steps = [s for s in j.steps if not s.ok]
     worst = max(j.steps, key=lambda s: s.worst)
-    kinds = {k: max(s.kinds.get(k, 0.0) for s in j.steps) for k in sorted({k for s in j.steps for k in s.kinds})}
+    names = sorted({k for s in j.steps for k in s.kinds})
+    kinds = {k: max(s.kinds.get(k, 0.0) for s in j.steps) for k in names}
     first = next((s for s in out_steps), None)
     return {"name": path.name, "overrides": run["overrides"], "window": window, "steps": len(j.steps),
             "first_step": j.first_step, "steps_out": len(out_steps),
             "first_tensors": first.failing[:5] if first else [], "worst": round(worst.worst, 4),
             "worst_step": worst.step, "worst_tensor": worst.tensor,
-            "worst_per_kind": {k: round(v, 4) for k, v in kinds.items()}, "judge_s": round(time.time() - t0, 1)}
+            "worst_per_kind": {k: round(v, 4) for k, v in kinds.items()},
+            "judge_s": round(time.time() - t0, 1)}
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["record", "judge"])
     ap.add_argument("paths", nargs="+", help="record: DIR/NAME then recipe overrides; judge: DIR/NAME ...")
-    ap.add_argument("--window", type=int, default=WINDOW, help="judge: steps pooled into a band (default: all)")
+    ap.add_argument("--window", type=int, default=WINDOW,
+                    help="judge: steps pooled into a band (default: every step so far)")
     ap.add_argument("--out", help="judge: write the rows to this JSON file")
     a = ap.parse_args(argv)
     if a.command == "record":
