@@ -59,10 +59,11 @@ def judge(path: Path, window: int | None) -> dict[str, Any]:
     worst = max(j.steps, key=lambda s: s.worst)
     names = sorted({k for s in j.steps for k in s.kinds})
     kinds = {k: max(s.kinds.get(k, 0.0) for s in j.steps) for k in names}
-    first = next((s for s in out_steps), None)
+    first = out_steps[0] if out_steps else None
     return {"name": path.name, "overrides": run["overrides"], "window": window, "steps": len(j.steps),
             "first_step": j.first_step, "steps_out": len(out_steps),
-            "first_tensors": first.failing[:5] if first else [], "worst": round(worst.worst, 4),
+            "first_tensors": first.failing[:5] if first else [],
+            "first_worst": round(first.worst, 4) if first else None, "worst": round(worst.worst, 4),
             "worst_step": worst.step, "worst_tensor": worst.tensor,
             "worst_per_kind": {k: round(v, 4) for k, v in kinds.items()},
             "judge_s": round(time.time() - t0, 1)}
