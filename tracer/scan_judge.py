@@ -4,13 +4,25 @@ perturbed runs' own deviations give at that step. The first step with a tensor o
 `first_step`; every step gets a summary (its worst error over tolerance, per kind and per module, and
 the loss of the candidate, the reference and the perturbed runs' spread) so drift reads as a curve.
 
-The band at step s pools each tensor family's noise (module path and kind, as stats mode pools a
-step's microbatches) over the last `window` steps: R perturbed runs give R samples of a noise scale
-per step, too few for a max-abs statistic (one element's rounding) tested at every step; the noise
-scale drifts slowly, so the steps before s sample the same scale. The band is made of the perturbed
-runs only: a candidate's bug never widens it.
-Memory: the summaries (a few numbers per step and module), the window's noise per family, and two
-steps' comparisons."""
+Runs that start one ulp apart decorrelate: small differences grow through training (Adam turns
+gradient noise near zero into whole +-lr moves), and after a few hundred steps the runs are
+different trajectories that do not recorrelate (gpt_tiny tp2_dp2, synthetic tokens: grad statistics
+~1e-6 apart to step ~150, ~0.5 from ~250 on). Each step's statistics are then one draw of the honest
+runs' spread, whose tail R samples of one step (or of the last 8) undersample: an 8-step band left a
+clean 1000-step scan at 287 steps. So the band at step s (calibrated on seeds 1234 and 7):
+- never narrows: a family's noise (module path and kind, pooled over a step's microbatches as stats
+  mode does) is the largest deviation of any pair of honest runs (reference and perturbed, and two
+  perturbed runs: R(R+1)/2 pairs) at any step up to s;
+- looks AHEAD steps on: honest runs leave the reference at random times (seed 7: all runs jump at
+  step ~255, the candidate is 1.2% off by 289, the perturbed runs by ~310); the judge runs after
+  every run has finished, so step s's band holds the honest deviations up to s + AHEAD;
+- scales each error by the larger of the two compared runs (Band.symmetric): after decorrelation a
+  gradient spike comes at a random step in each run, and against a quiet reference it is a 1000x
+  error; against the larger it is at most 1 (sum: 2). Near the reference the two scales agree.
+The band is made of the perturbed runs only: a candidate's bug never widens it. Once it has grown, a
+bug acting later must move a statistic beyond anything honest runs did to be seen.
+Memory: the summaries (a few numbers per step and module), each family's noise so far, and AHEAD + 1
+steps' statistics."""
 
 from __future__ import annotations
 
@@ -18,16 +30,18 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import combinations
 from typing import Any
 
 from tracer.errors import TraceError
 from tracer.fingerprint_read import step_of
 from tracer.logical import LogicalTrace
-from tracer.stats_compare import band, judge, logical_stats
+from tracer.stats_compare import Band, band, judge, logical_stats
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison, TensorResult
 
-WINDOW = 8     # steps whose perturbed noise makes a step's band (module doc)
+WINDOW: int | None = None   # past steps whose noise makes a step's band; None: every step so far (module doc)
+AHEAD = 32                  # and the steps after it: honest runs leave the reference at random times
 BEYOND = 1e9   # err/tol reported for a tensor that failed for another reason (replicas, non-finite, shape)
 
 
@@ -67,6 +81,7 @@ class ScanJudgement:
     first: Comparison | None = None        # the comparison at first_step
     worst_step: int | None = None          # global step of the largest over_band (a clean scan's report)
     worst: Comparison | None = None
+    worst_value: float = -1.0              # its over_band
 
     @property
     def verdict(self) -> str:
@@ -79,19 +94,38 @@ def mean_loss(view: LogicalTrace) -> float | None:
     return sum(logical_stats(view, n).sum for n in names) / len(names) if names else None
 
 
+def pair_noise(b: Band, reference: LogicalTrace) -> dict[tuple[int, str, str], list[float]]:
+    """Each family's largest deviation between two perturbed runs (norm, absmax, sum errors, at the
+    band's scales): more samples of what two honest runs differ by."""
+    out: dict[tuple[int, str, str], list[float]] = {}
+    for n in reference.order:
+        f = b.family(reference, n)
+        for x, y in combinations(b.perturbed, 2):
+            e = b.errors(x[n], y[n], n)
+            out[f] = [max(a, c) for a, c in zip(out.get(f, [0.0, 0.0, 0.0]), e, strict=True)]
+    return out
+
+
+Family = tuple[str, str]   # (module path, kind)
+Noise = dict[Family, list[float]]
+
+
 def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTrace],
                 perturbed: Sequence[Iterable[LogicalTrace]], policy: TolerancePolicy,
-                start: int = 0, window: int = WINDOW) -> ScanJudgement:
+                start: int = 0, window: int | None = WINDOW, ahead: int = AHEAD) -> ScanJudgement:
     """Walk the runs' steps together (each an iterable of per-step views); `start`: the global step of
-    local step 0 (init.checkpoint's); `window`: steps pooled into a step's band (1: that step only)."""
+    local step 0 (init.checkpoint's). Step s's band holds the honest deviations of steps s-window+1 ..
+    s+ahead (window None: from the first step); window=1, ahead=0: that step's alone."""
     out = ScanJudgement([])
-    worst = -1.0
-    recent: dict[tuple[str, str], deque[list[float]]] = {}   # (module path, kind) -> last steps' noise
+    held: Noise = {}                                       # window None: the running maximum
+    recent: deque[tuple[int, Noise]] = deque()             # window: (index, noise) of the steps in it
+    pending: deque[tuple[int, LogicalTrace, LogicalTrace, list[LogicalTrace], Band]] = deque()
     walks = [iter(reference), iter(candidate), *(iter(p) for p in perturbed)]
+    index = 0
     while True:
         views = [next(w, None) for w in walks]
         if all(v is None for v in views):
-            return out
+            break
         if any(v is None for v in views):
             short = [("reference", "candidate", *(f"perturbed-{i + 1}" for i in range(len(perturbed))))[i]
                      for i, v in enumerate(views) if v is None]
@@ -108,18 +142,44 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
             if lost:
                 raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
                                  f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
-        b = band(ref, perts)   # perts: per-step views of the perturbed runs
-        for (st, path, kind), noise in b.pooled.items():
-            seen = recent.setdefault((path, kind), deque(maxlen=max(1, window)))
-            seen.append(noise)
-            b.pooled[(st, path, kind)] = [max(x) for x in zip(*seen, strict=True)]
-        comp = judge(ref, cand, b, policy)
-        out.steps.append(_summary(start + step, comp, ref, cand, perts))
-        s = out.steps[-1]
-        if out.first_step is None and not s.ok:
-            out.first_step, out.first = s.step, comp
-        if out.worst is None or s.worst > worst:
-            out.worst_step, out.worst, worst = s.step, comp, s.worst
+        b = band(ref, perts, symmetric=True)   # perts: per-step views of the perturbed runs
+        pairs = pair_noise(b, ref)
+        noise = {f[1:]: [max(a, c) for a, c in zip(x, pairs.get(f, x), strict=True)]
+                 for f, x in b.pooled.items()}
+        if window is None:
+            for f, x in noise.items():
+                held[f] = [max(a, c) for a, c in zip(held.get(f, x), x, strict=True)]
+        else:
+            recent.append((index, noise))
+        pending.append((index, ref, cand, perts, b))
+        while len(pending) > ahead:
+            _judge_one(out, *pending.popleft(), held, recent, window, policy, start)
+        index += 1
+    while pending:
+        _judge_one(out, *pending.popleft(), held, recent, window, policy, start)
+    return out
+
+
+def _judge_one(out: ScanJudgement, index: int, ref: LogicalTrace, cand: LogicalTrace,
+               perts: list[LogicalTrace], b: Band, held: Noise, recent: deque[tuple[int, Noise]],
+               window: int | None, policy: TolerancePolicy, start: int) -> None:
+    """Judge one step against its band: the noise `held` (every step so far, and ahead) or the steps of
+    `recent` from index-window+1 on."""
+    if window is not None:
+        while recent and recent[0][0] <= index - max(1, window):
+            recent.popleft()
+    for f in b.pooled:
+        b.pooled[f] = (held[f[1:]] if window is None
+                       else [max(x) for x in zip(*(n[f[1:]] for _, n in recent if f[1:] in n), strict=True)])
+    comp = judge(ref, cand, b, policy)
+    step = step_of(ref)
+    assert step is not None
+    s = _summary(start + step, comp, ref, cand, perts)
+    out.steps.append(s)
+    if out.first_step is None and not s.ok:
+        out.first_step, out.first = s.step, comp
+    if out.worst is None or s.worst > out.worst_value:
+        out.worst_step, out.worst, out.worst_value = s.step, comp, s.worst
 
 
 def _summary(step: int, comp: Comparison, ref: LogicalTrace, cand: LogicalTrace,

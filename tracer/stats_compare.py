@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tracer.errors import TraceError
 from tracer.layouts import Layout
@@ -62,20 +62,31 @@ def errors(x: Stat, r: Stat, norm: float, absmax: float) -> tuple[float, float, 
 class Band:
     """What the perturbed runs say about a reference's tensors: each one's statistics, its scales, its
     own noise per statistic (norm, absmax, sum), and the noise pooled per family (step, module path,
-    kind: over a step's microbatches), of which the tolerances are made."""
+    kind: over a step's microbatches), of which the tolerances are made; `perturbed`: each perturbed
+    run's statistics (tracer/scan_judge.py adds their pairwise deviations); `symmetric`: errors
+    relative to the larger of the two runs' norm and max-abs, not the reference's (the scan's)."""
     ref: dict[str, Stat]
     scales: dict[str, tuple[float, float]]
     noise: dict[str, list[float]]
     pooled: dict[tuple[int, str, str], list[float]]
+    perturbed: list[dict[str, Stat]] = field(default_factory=list)
+    symmetric: bool = False
+
+    def errors(self, x: Stat, r: Stat, name: str) -> tuple[float, float, float]:
+        """`errors` of x against r at this band's scales for tensor `name`."""
+        norm, absmax = self.scales[name]
+        if self.symmetric:
+            norm, absmax = max(norm, x.norm, r.norm), max(absmax, x.absmax, r.absmax)
+        return errors(x, r, norm, absmax)
 
     def family(self, reference: LogicalTrace, name: str) -> tuple[int, str, str]:
         e = reference.info[name]
         return (e["step"], name.split("/", 2)[2].rsplit("/", 1)[0], e["kind"])
 
 
-def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace]) -> Band:
+def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace], symmetric: bool = False) -> Band:
     """The perturbed runs' band around the reference (errors: a perturbation that did not apply, a
-    reference or perturbed run with non-finite values)."""
+    reference or perturbed run with non-finite values); `symmetric`: see Band."""
     order = reference.order
     ref = {n: logical_stats(reference, n) for n in order}
     pert = [{n: logical_stats(p, n) for n in order} for p in perturbed]
@@ -93,12 +104,12 @@ def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace]) -> Band:
         if any(not ps[n].finite for ps in pert):
             raise TraceError(f"{n}: a perturbed reference run has non-finite values where the reference has "
                              "none; no tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
-    out = Band(ref, {}, {}, {})
+    out = Band(ref, {}, {}, {}, pert, symmetric)
     for n in order:
         r = ref[n]
         out.scales[n] = (r.norm or max((ps[n].norm for ps in pert), default=0.0),
                          r.absmax or max((ps[n].absmax for ps in pert), default=0.0))
-        noise = out.noise[n] = [max((errors(ps[n], r, *out.scales[n])[i] for ps in pert), default=0.0)
+        noise = out.noise[n] = [max((out.errors(ps[n], r, n)[i] for ps in pert), default=0.0)
                                 for i in range(3)]
         f = out.family(reference, n)
         out.pooled[f] = [max(a, b) for a, b in zip(out.pooled.get(f, [0.0, 0.0, 0.0]), noise, strict=True)]
@@ -113,7 +124,7 @@ def compare_stats(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
 
 def judge(reference: LogicalTrace, candidate: LogicalTrace, b: Band, policy: TolerancePolicy) -> Comparison:
     """Every reference tensor's statistics in the candidate against the band `b`."""
-    order, ref, scales, noise = reference.order, b.ref, b.scales, b.noise
+    order, ref, noise = reference.order, b.ref, b.noise
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
     for index, n in enumerate(order):
@@ -121,7 +132,7 @@ def judge(reference: LogicalTrace, candidate: LogicalTrace, b: Band, policy: Tol
         c = logical_stats(candidate, n)
         depth = depth_of.setdefault(e["module"], len(depth_of))
         tol = [policy.tolerance([x], e["dtype"]) for x in b.pooled[b.family(reference, n)]]
-        err = errors(c, r, *scales[n]) if c.finite else (math.inf,) * 3
+        err = b.errors(c, r, n) if c.finite else (math.inf,) * 3
         res = TensorResult(
             name=n, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"], step=e["step"],
             microbatch=e["microbatch"], index=index, rel_err=err[0], max_err=err[1], cosine=math.nan,

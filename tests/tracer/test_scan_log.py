@@ -14,8 +14,9 @@ from tracer.errors import TraceError
 from tracer.fingerprint_log import FingerprintLog
 from tracer.fingerprint_read import FingerprintRun, step_of
 from tracer.logical import load_logical
-from tracer.scan_judge import judge_steps
+from tracer.scan_judge import judge_steps, pair_noise
 from tracer.stats import local_stats
+from tracer.stats_compare import Band, band
 from tracer.tolerance import TolerancePolicy
 
 NAMES = ("w", "b")
@@ -145,3 +146,83 @@ def test_replicas_that_differ_fail_the_step_even_within_the_band(tmp_path):
     out = judge(tmp_path)
     assert out.first_step == 1 and "replicas" in out.first.first_divergence.reason
     assert out.steps[2].worst >= 1e9
+
+
+def write_scaled(root, run, factors, steps=5):
+    """A run whose positive params (every statistic moves with a scale) are the same at every step,
+    times factors.get(step, 1) (one rank)."""
+    tr = Tracer(str(root), run, 0, {}, {}, {"fingerprint": "f"}, mode="scan", kinds=("param",))
+    for step in range(steps):
+        with tr.step(step):
+            for n, t in logical(0, 0).items():
+                t = t.abs() + 0.5
+                tr.record(f"layer.{n}", "param", t * factors.get(step, 1.0), Replicate())
+    tr.close()
+
+
+E = 1e-4   # a deviation well above the band's floor (16 ulps of fp32)
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_the_band_never_narrows_a_deviation_honest_runs_showed_earlier_is_in_it(tmp_path, window):
+    """Honest runs decorrelate and do not recorrelate: a deviation the perturbed runs reached at step 0
+    stays in the band at step 3 (the default); a band of that step alone flags it."""
+    write_scaled(tmp_path, "reference", {})
+    write_scaled(tmp_path, "perturbed-1", {0: 1 + E, **{k: 1 + E / 100 for k in range(1, 5)}})
+    write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
+    write_scaled(tmp_path, "candidate", {3: 1 + 3 * E})
+    runs = lambda name: FingerprintRun(str(tmp_path), name, 1).steps()
+    out = judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
+                      TolerancePolicy(), window=window, ahead=0)
+    if window is None:
+        assert out.verdict == "pass" and 0.5 < out.steps[3].worst <= 1   # 3E against 4 x ~1.01E
+    else:
+        assert out.first_step == 3 and out.steps[3].worst > 10           # 3E against 4 x 0.02E
+
+
+def test_two_perturbed_runs_deviation_joins_the_band(tmp_path):
+    """Two perturbed runs on either side of the reference are 2E apart: their pair is a sample of the
+    honest deviation too, so the family's noise is 2E, not the reference's E."""
+    write_scaled(tmp_path, "reference", {}, steps=1)
+    write_scaled(tmp_path, "perturbed-1", {0: 1 + E}, steps=1)
+    write_scaled(tmp_path, "perturbed-2", {0: 1 - E}, steps=1)
+    ref, p1, p2 = (next(FingerprintRun(str(tmp_path), n, 1).steps())
+                   for n in ("reference", "perturbed-1", "perturbed-2"))
+    b = band(ref, [p1, p2])
+    norm_noise = b.pooled[(0, "layer.w", "param")][0]
+    assert norm_noise == pytest.approx(E, rel=1e-3)
+    assert pair_noise(b, ref)[(0, "layer.w", "param")][0] == pytest.approx(2 * E, rel=1e-3)
+
+
+@pytest.mark.parametrize("ahead", [32, 0])
+def test_a_step_band_looks_ahead_at_the_honest_runs(tmp_path, ahead):
+    """Honest runs leave the reference at random times: the candidate's 3E at step 1 is in the band
+    when a perturbed run reaches E by step 3 (the default looks 32 steps ahead), out of it without."""
+    write_scaled(tmp_path, "reference", {})
+    write_scaled(tmp_path, "perturbed-1", {**{k: 1 + E / 100 for k in range(3)}, 3: 1 + E, 4: 1 + E})
+    write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
+    write_scaled(tmp_path, "candidate", {k: 1 + 3 * E for k in range(1, 5)})
+    runs = lambda name: FingerprintRun(str(tmp_path), name, 1).steps()
+    out = judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
+                      TolerancePolicy(), ahead=ahead)
+    assert [s.step for s in out.steps] == [0, 1, 2, 3, 4]
+    if ahead:
+        assert out.verdict == "pass" and 0.5 < out.steps[1].worst <= 1
+    else:
+        assert out.first_step == 1 and out.steps[1].worst > 10 and out.steps[3].ok
+
+
+def test_the_scan_scales_errors_by_the_larger_run():
+    """A decorrelated run's gradient spike: 1000x a quiet reference is an error of 999 at the
+    reference's scale, 0.999 at the larger run's (the scan's band), and the two agree near the reference."""
+    from tracer.stats import Stat
+
+    def st(norm):
+        return Stat(sumsq=norm * norm, absmax=norm, sum=norm, numel=4, hash="")
+    r = st(1.0)
+    plain = Band({"g": r}, {"g": (1.0, 1.0)}, {}, {})
+    sym = Band({"g": r}, {"g": (1.0, 1.0)}, {}, {}, symmetric=True)
+    assert plain.errors(st(1000.0), r, "g")[0] == pytest.approx(999.0)
+    assert sym.errors(st(1000.0), r, "g")[0] == pytest.approx(0.999)
+    assert sym.errors(r, st(1000.0), "g")[0] == pytest.approx(0.999)          # symmetric in the two runs
+    assert sym.errors(st(1 + E), r, "g")[0] == pytest.approx(plain.errors(st(1 + E), r, "g")[0], rel=2 * E)
