@@ -132,48 +132,66 @@ SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("script, parallel, needles", [
-    ("crash.py", "single", ["job 'candidate' failed: rank 0 exited with code 3",
+FAILING = {
+    "crash.py": ("single", ["job 'candidate' failed: rank 0 exited with code 3",
                             "CUDA out of memory (pretend)"]),
-    ("untraced.py", "single", ["rank 0 finished but committed no trace", "never called tracer.session()",
+    "untraced.py": ("single", ["rank 0 finished but committed no trace", "never called tracer.session()",
                                "training without ever calling"]),
-    ("unattached.py", "single", ["rank 0 traced nothing: it called tracer.session() but never "
+    "unattached.py": ("single", ["rank 0 traced nothing: it called tracer.session() but never "
                                  "tr.attach(model)"]),
-    ("rank1_dies.py", "dp2", ["rank 1 exited with code 5", "rank 1 gives up"]),
-])
-def test_a_job_that_fails_or_traces_nothing_is_an_error_naming_the_rank(ray_cluster, tmp_path, script,
-                                                                       parallel, needles):
-    from orchestrator.check import run_check
+    "rank1_dies.py": ("dp2", ["rank 1 exited with code 5", "rank 1 gives up"]),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty(ray_cluster, tmp_path_factory):
+    """Every job below that fails, hangs or aborts, as one batch of checks on the cluster (as a sweep
+    runs them: they overlap instead of queueing one after the other)."""
+    from orchestrator.check import run_checks
     from orchestrator.recipe import compose
 
-    (tmp_path / script).write_text(SCRIPTS[script])
-    rec = compose([f"job.command=python {script}", f"parallel={parallel}", "tolerance.perturbations=2",
-                   "tracking.enabled=false", f"cluster.address={ray_cluster}"])
-    res = run_check(rec, tmp_path / "out", base_dir=str(tmp_path))
+    base = tmp_path_factory.mktemp("faulty")
+    scripts = {**{name: SCRIPTS[name] for name in FAILING}, "hang_forever.py": HANGS,
+               "after.py": ABORTS_AT_EXIT, "before.py": ABORTS_AT_EXIT.replace("tr.close()\n", "")}
+    for name, text in scripts.items():
+        (base / name).write_text(text)
+    common = ["tolerance.perturbations=2", "tracking.enabled=false", f"cluster.address={ray_cluster}"]
+    recipes = {name: [f"job.command=python {name}", f"parallel={parallel}", *common]
+               for name, (parallel, _) in FAILING.items()}
+    recipes["hang_forever.py"] = ["job.command=python hang_forever.py", "parallel=single", "timeout_s=10",
+                                  *common]
+    for name in ("after.py", "before.py"):
+        recipes[name] = [f"job.command=python {name}", "parallel=single", "+job.env.ABORT=after", *common]
+    results = run_checks([(compose(r), base / name.removesuffix(".py")) for name, r in recipes.items()],
+                         base_dir=str(base))
+    return base, dict(zip(recipes, results, strict=True))
+
+
+@pytest.mark.parametrize("script", list(FAILING))
+def test_a_job_that_fails_or_traces_nothing_is_an_error_naming_the_rank(faulty, script):
+    base, results = faulty
+    res = results[script]
     assert res.verdict == "error" and res.exit_code == 2, res.report.get("first_divergence")
-    for needle in needles:
+    for needle in FAILING[script][1]:
         assert needle in res.message, res.message
     saved = json.loads(res.report_path.read_text())
     assert saved["verdict"] == "error" and saved["tensors"] == []
     logs = saved["logs"]["candidate"]   # what the failed ranks wrote is kept
-    assert logs and all((tmp_path / "out" / p).exists() for p in logs)
+    out = base / script.removesuffix(".py")
+    assert logs and all((out / p).exists() for p in logs)
 
 
-def test_a_hung_command_is_stopped_with_its_process(ray_cluster, tmp_path):
+HANGS = "import time, tracer\ntr = tracer.session()\nprint('hanging', flush=True)\ntime.sleep(3600)\n"
+
+
+def test_a_hung_command_is_stopped_with_its_process(faulty):
     """A command job that hangs is stopped at its timeout like any job (its placement group removed,
     its Ray worker killed), and its child process dies with the worker: nothing is left running."""
     import time
 
     import psutil
 
-    from orchestrator.check import run_check
-    from orchestrator.recipe import compose
-
-    (tmp_path / "hang_forever.py").write_text(
-        "import time, tracer\ntr = tracer.session()\nprint('hanging', flush=True)\ntime.sleep(3600)\n")
-    rec = compose(["job.command=python hang_forever.py", "parallel=single", "tolerance.perturbations=2",
-                   "timeout_s=10", "tracking.enabled=false", f"cluster.address={ray_cluster}"])
-    res = run_check(rec, tmp_path / "out", base_dir=str(tmp_path))
+    res = faulty[1]["hang_forever.py"]
     assert res.verdict == "error" and "timed out after 10s" in res.message, res.message
     left = lambda: [p for p in psutil.process_iter(["cmdline"])
                     if "hang_forever.py" in " ".join(p.info["cmdline"] or [])]
@@ -200,18 +218,10 @@ if os.environ.get("ABORT") == "after":
 """
 
 
-def test_an_abort_after_a_complete_trace_is_a_warning_and_before_it_an_error(ray_cluster, tmp_path):
+def test_an_abort_after_a_complete_trace_is_a_warning_and_before_it_an_error(faulty):
     """torch's gloo teardown can abort a finished rank at interpreter exit (SIGABRT): its trace is
     complete, the check goes on and says so. A rank that aborts before committing its trace fails."""
-    from orchestrator.check import run_checks
-    from orchestrator.recipe import compose
-
-    (tmp_path / "after.py").write_text(ABORTS_AT_EXIT)
-    (tmp_path / "before.py").write_text(ABORTS_AT_EXIT.replace("tr.close()\n", ""))
-    common = ["parallel=single", "tolerance.perturbations=2", "tracking.enabled=false",
-              "+job.env.ABORT=after", f"cluster.address={ray_cluster}"]
-    after, before = run_checks([(compose([f"job.command=python {s}.py", *common]), tmp_path / s)
-                                for s in ("after", "before")], base_dir=str(tmp_path))
+    after, before = faulty[1]["after.py"], faulty[1]["before.py"]
     assert after.verdict == "pass", after.message or after.report.get("first_divergence")
     assert any("rank 0 was killed by signal 6 (SIGABRT) after committing a complete trace" in w
                for w in after.report["warnings"]), after.report.get("warnings")
@@ -279,8 +289,13 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
     assert run.data.tags["verdict"] == "pass"
 
 
-def test_ttrace_compare_help_names_its_options():
-    proc = subprocess.run([TTRACE, "compare", "--help"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
+def test_ttrace_compare_help_names_its_options(capsys):
+    # In-process: `ttrace compare` itself runs as a command in the torchrun test above.
+    from orchestrator.compare_cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
     for option in ("--reference", "--candidate", "--perturbed", "--isolated", "TTRACE_ROLE=perturbed"):
-        assert option in proc.stdout, option
+        assert option in out, option
