@@ -36,7 +36,8 @@ nightly ?= full
 nightly: setup
 	$(BIN)/python -m orchestrator.nightly nightly=$(nightly) $(NIGHTLY_ARGS)
 
-# Tolerance calibration + clean-matrix false positives + corruption study + clean checks from a
+# Tolerance calibration + clean-matrix false positives (every model family and recipe, 8 ranks
+# included; exits 1 on any) + corruption study + clean checks from a
 # checkpoint trained 200 steps (--trained) -> bench/tolerance.json (BENCH_ARGS="--trained 0" skips that)
 bench-tolerance: setup
 	$(BIN)/python bench/tolerance.py $(BENCH_ARGS)

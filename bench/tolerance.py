@@ -1,15 +1,17 @@
 """Tolerance benchmark (`make bench-tolerance`): calibration, clean-matrix false positives, and the
 smallest corruption each method detects. Writes bench/tolerance.json and prints tables.
 
-1. Runs (one Ray session, the real jobs a check runs): for every precision and seed, one reference,
-   R perturbed references and one candidate per parallel recipe. The references are shared by the
-   candidates of a (precision, seed): same recipe fingerprint, so this is what a check would run.
+1. Runs (one Ray session, the real jobs a check runs): for every model family, precision and seed,
+   one reference, R perturbed references and one candidate per parallel recipe that fits the family
+   (FAMILIES; `--families` selects). The references are shared by the candidates of a (family,
+   precision, seed): same recipe fingerprint, so this is what a check would run.
 2. Calibration (seeds `--calib-seeds`): per tensor, how far the honest candidate is from the
    reference in units of the perturbation noise (norm-wise rel_err / max_r noise_r; elementwise
    elem_err / max_r loo_r). k and the floors are chosen from these ratios (docs/tolerance.md).
-3. Clean matrix (seeds `--seeds`, held out from the calibration): verdicts under the chosen policy
-   (must be 0 false positives), also for Megatron's fixed bound and torch.testing.assert_close.
-4. Corruption study on saved traces: candidate tensors corrupted in memory, (a) a uniform scale
+3. Clean matrix (seeds `--seeds`, held out from the calibration; every family): verdicts under the
+   chosen policy (must be 0 false positives: the bench exits 1 on any), also for Megatron's fixed
+   bound and torch.testing.assert_close; false positives per family and in total.
+4. Corruption study on saved traces (gpt_tiny): candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
    smallest delta each method detects.
 5. Clean checks started from a checkpoint trained STEPS steps on real text (`--trained STEPS`,
@@ -48,11 +50,24 @@ from tracer.tolerance import (  # noqa: E402
     unit_roundoff,
 )
 
-# Calibration runs these; the held-out clean matrix runs every gpt_tiny recipe of <= 4 ranks (the
-# 8-rank recipes run in the nightly sweep, not here: 2 cores).
+# Calibration runs these (gpt_tiny); the held-out clean matrix runs every recipe that fits a family.
 PARALLELS = ("single", "tp2", "tp2_sp", "dp2", "pp2", "tp2_pp2", "tp2_dp2")
 MATRIX_PARALLELS = PARALLELS + ("dp2_zero1", "pp2_dp2_zero1", "pp2_vpp2", "cp2", "tp2_cp2")
+EIGHT_RANK = ("tp2_pp2_dp2", "tp2_sp_pp2_dp2_zero1")
 PRECISIONS = ("fp32", "bf16", "fp8")
+# The clean matrix: family -> precision -> candidate recipes, as recipes/sweep/nightly.yaml (`full`)
+# fits recipes to models, 8-rank recipes in fp32 and bf16. gpt_tiny also keeps fp8 on every recipe of
+# <= 4 ranks (the nightly runs fp8 on tp2, tp2_sp only); the nightly runs no llama/moe fp8, nor does
+# this. llama_tiny_kv2 (not in the nightly) is llama_tiny with 2 KV heads: the same recipes fit.
+_LLAMA = MATRIX_PARALLELS[1:] + EIGHT_RANK
+FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
+    "gpt_tiny": {"fp32": MATRIX_PARALLELS + EIGHT_RANK, "bf16": MATRIX_PARALLELS + EIGHT_RANK,
+                 "fp8": MATRIX_PARALLELS},
+    "llama_tiny": {"fp32": _LLAMA, "bf16": _LLAMA},
+    "llama_tiny_kv2": {"fp32": _LLAMA, "bf16": _LLAMA},
+    "moe_tiny": {"fp32": ("ep2", "ep2_tp2"), "bf16": ("ep2", "ep2_tp2")},
+}
+STUDY_FAMILY = "gpt_tiny"   # calibration and the corruption study (its targets are gpt_tiny tensors)
 MEGATRON = dict(k=4.0, c=1.03, depth=32)   # Megatron-LM CI: k * C**L * eps at the most permissive layer
 # torch.testing.assert_close defaults (rtol, atol) by dtype of the traced tensor
 ASSERT_CLOSE = {"float32": (1.3e-6, 1e-5), "bfloat16": (1.6e-2, 1e-5), "float16": (1e-3, 1e-5),
@@ -80,34 +95,46 @@ def _complete(url: str, run: str, world: int) -> bool:
     return all((Path(url) / run / f"rank{r:05d}" / "manifest.json").exists() for r in range(world))
 
 
-def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...],
-               parallels: Any = lambda seed: PARALLELS, retries: int = 3) -> float:
-    """Run every job whose trace is not complete yet; retry failed jobs (a local cluster under load
-    occasionally loses a rendezvous port race)."""
+def combo_url(store: Path, family: str, prec: str, seed: int) -> str:
+    """One (family, precision, seed)'s traces: `{family}-{prec}-s{seed}`. A gpt_tiny store written before
+    families existed (`{prec}-s{seed}`) is still read."""
+    url = store / f"{family}-{prec}-s{seed}"
+    legacy = store / f"{prec}-s{seed}"
+    return str(legacy if family == STUDY_FAMILY and not url.exists() and legacy.exists() else url)
+
+
+def _world(par: str) -> int:
+    return int(recipe.compose([f"parallel={par}"])["parallel"]["world_size"])
+
+
+def run_matrix(store: Path, combos: list[tuple[str, str, int, tuple[str, ...]]], R: int,
+               retries: int = 3) -> float:
+    """Run every job whose trace is not complete yet, for combos of (family, precision, seed,
+    candidate recipes); retry failed jobs (a local cluster under load occasionally loses a
+    rendezvous port race)."""
     t0 = time.perf_counter()
     for _ in range(retries):
         jobs: list[cluster.Job] = []
-        for prec in precisions:
-            for seed in seeds:
-                url = str(store / f"{prec}-s{seed}")
-                rec = recipe.compose([f"precision={prec}", f"seed={seed}", "tracking.enabled=false"])
-                single = recipe.SINGLE_DEVICE
-                runs = [("reference", dict(parallel=single, role="reference"), 1)]
-                runs += [(f"perturbed-{i}", dict(parallel=single, role="perturbed", perturb=i + 1), 1)
-                         for i in range(R)]
-                if prec != "fp32":   # the previous method (one ulp of every weight), beside it
-                    wrec = recipe.compose([f"precision={prec}", f"seed={seed}", "tracking.enabled=false",
-                                           "tolerance.perturbation=weights"])
-                    runs += [(f"perturbed-weights-{i}", dict(parallel=single, role="perturbed",
-                                                             perturb=i + 1, _rec=wrec), 1) for i in range(R)]
-                for par in parallels(seed):
-                    prec_rec = recipe.compose([f"precision={prec}", f"seed={seed}", f"parallel={par}"])
-                    runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"], role="candidate"),
-                                 int(prec_rec["parallel"]["world_size"])))
-                for run, kw, world in runs:
-                    if not _complete(url, run, world):
-                        spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
-                        jobs.append(cluster.Job(f"{prec}-s{seed}.{run}", spec, world))
+        for fam, prec, seed, parallels in combos:
+            url = combo_url(store, fam, prec, seed)
+            base = [f"model={fam}", f"precision={prec}", f"seed={seed}"]
+            rec = recipe.compose(base + ["tracking.enabled=false"])
+            single = recipe.SINGLE_DEVICE
+            runs = [("reference", dict(parallel=single, role="reference"), 1)]
+            runs += [(f"perturbed-{i}", dict(parallel=single, role="perturbed", perturb=i + 1), 1)
+                     for i in range(R)]
+            if prec != "fp32" and fam == STUDY_FAMILY:   # the corruption study's previous method beside it
+                wrec = recipe.compose(base + ["tracking.enabled=false", "tolerance.perturbation=weights"])
+                runs += [(f"perturbed-weights-{i}", dict(parallel=single, role="perturbed",
+                                                         perturb=i + 1, _rec=wrec), 1) for i in range(R)]
+            for par in parallels:
+                prec_rec = recipe.compose(base + [f"parallel={par}"])
+                runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"], role="candidate"),
+                             int(prec_rec["parallel"]["world_size"])))
+            for run, kw, world in runs:
+                if not _complete(url, run, world):
+                    spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
+                    jobs.append(cluster.Job(f"{Path(url).name}.{run}", spec, world))
         if not jobs:
             break
         cluster.ensure_ray(recipe.compose([])["cluster"])
@@ -121,14 +148,14 @@ def run_matrix(store: Path, seeds: list[int], R: int, precisions: tuple[str, ...
     return time.perf_counter() - t0
 
 
-def load_combo(store: Path, prec: str, seed: int, R: int, parallels: tuple[str, ...] = PARALLELS,
+def load_combo(url: str, R: int, parallels: tuple[str, ...] = PARALLELS,
                perturbed: str = "perturbed") -> tuple[Any, list[Any], dict[str, Any]]:
-    url = str(store / f"{prec}-s{seed}")
+    """The reference, R perturbed references and every candidate of parallels whose trace is complete."""
     ref = load_logical(url, "reference", 1)
     pert = [load_logical(url, f"{perturbed}-{i}", 1) for i in range(R)]
     cands = {}
     for par in parallels:
-        ws = int(recipe.compose([f"parallel={par}"])["parallel"]["world_size"])
+        ws = _world(par)
         if _complete(url, f"cand-{par}", ws):
             cands[par] = load_logical(url, f"cand-{par}", ws)
     return ref, pert, cands
@@ -265,12 +292,15 @@ def main() -> int:
     ap.add_argument("--store", default=str(ROOT / "ttrace_runs" / "bench-tolerance"))   # gitignored
     # Seeds 101, 102 chose k; seeds 1-3 tuned k_elem and the excusal's "explained" rule; seeds 4, 5
     # chose k_scale and the GEMM rounding draws; seed 7 showed the false positive that made param
-    # norms whole-tensor: calibration seeds all. The clean matrix's false
-    # positives are counted on seeds never used for tuning.
+    # norms whole-tensor: calibration seeds all. The clean matrix's false positives are counted on
+    # seeds never used for tuning (8, 9; 10 for every family and the 8-rank recipes).
     ap.add_argument("--seeds", default="8,9", help="clean-matrix seeds, never used for tuning")
     ap.add_argument("--calib-seeds", default="", help="calibration seeds (kept out of the matrix; "
                                                       "101,102,1-7 were used)")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--families", default=",".join(FAMILIES),
+                    help="model families of the clean matrix (FAMILIES; calibration and the corruption "
+                         f"study are {STUDY_FAMILY}'s)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
     ap.add_argument("--trained", type=int, default=200, help="stage 5: clean checks from a checkpoint "
@@ -283,48 +313,103 @@ def main() -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     calib = [int(s) for s in args.calib_seeds.split(",") if s]
     precs = tuple(args.precisions.split(","))
+    families = [f for f in args.families.split(",") if f]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        print(f"bench: unknown families {unknown}; known: {', '.join(FAMILIES)}", file=sys.stderr)
+        return 2
     rec = recipe.compose([])
     R = int(rec["tolerance"]["perturbations"])
     policy = TolerancePolicy.from_config(rec["tolerance"])
 
-    parallels = lambda seed: PARALLELS if seed in calib else MATRIX_PARALLELS
-    t_runs = 0.0 if args.no_run else run_matrix(store, calib + seeds, R, precs, parallels)
+    # (family, precision, seed, candidate recipes): calibration seeds on gpt_tiny's PARALLELS, the
+    # clean matrix on every selected family's recipes at the precisions it runs.
+    combos = [(STUDY_FAMILY, p, s, PARALLELS) for p in precs for s in calib
+              if STUDY_FAMILY in families]
+    combos += [(f, p, s, FAMILIES[f][p]) for f in families for p in precs if p in FAMILIES[f]
+               for s in seeds]
+    t_runs = 0.0 if args.no_run else run_matrix(store, combos, R)
 
     rows: dict[str, list[dict]] = {"calib": [], "matrix": []}
     verdicts, studies = [], []
-    for prec in precs:
-        for seed in calib + seeds:
-            if not all(_complete(str(store / f"{prec}-s{seed}"), run, 1)
-                       for run in ["reference", *(f"perturbed-{i}" for i in range(R)), "cand-tp2"]):
-                print(f"bench: skipping {prec} seed {seed}: traces incomplete", flush=True)
-                continue
-            ref, pert, cands = load_combo(store, prec, seed, R, parallels(seed))
-            part = "calib" if seed in calib else "matrix"
-            for par, cand in cands.items():
-                stats = tensor_stats(ref, pert, cand, prec, policy)
-                for s in stats:
-                    s.update(precision=prec, seed=seed, parallel=par)
-                rows[part].extend(stats)
-                if part == "matrix" and par != "single":   # a one-device candidate is the reference's twin
-                    bad = [s for s in stats if not s["ttrace_ok"]]
-                    verdicts.append({
-                        "precision": prec, "seed": seed, "parallel": par, "tensors": len(stats),
-                        "ttrace": "fail" if bad else "pass",
-                        "first_divergence": bad[0]["name"] + ": " + bad[0]["reason"] if bad else None,
-                        "megatron_fixed_fp": sum(s["megatron_fail"] for s in stats),
-                        "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
-                                                       if s["kind"] == "param_grad"),
-                        "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
-            if seed == seeds[0]:
-                studies += corruption(ref, pert, cands["tp2"], prec, policy)
-                if prec != "fp32":   # the previous method: weight perturbation, scale not judged
-                    _, wpert, _ = load_combo(store, prec, seed, R, (), perturbed="perturbed-weights")
-                    studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0),
-                                          method="weights, no scale (before)")
+    for fam, prec, seed, parallels in combos:
+        url = combo_url(store, fam, prec, seed)
+        if not all(_complete(url, run, 1) for run in ["reference", *(f"perturbed-{i}" for i in range(R))]):
+            print(f"bench: skipping {fam} {prec} seed {seed}: references incomplete", flush=True)
+            continue
+        ref, pert, cands = load_combo(url, R, parallels)
+        missing = [p for p in parallels if p not in cands]
+        if missing:   # --no-run on a partial store: say what is not counted
+            print(f"bench: {fam} {prec} seed {seed}: no complete trace of {', '.join(missing)}", flush=True)
+        part = "calib" if seed in calib else "matrix"
+        for par, cand in cands.items():
+            stats = tensor_stats(ref, pert, cand, prec, policy)
+            for s in stats:
+                s.update(family=fam, precision=prec, seed=seed, parallel=par)
+            rows[part].extend(stats)
+            if part == "matrix" and par != "single":   # a one-device candidate is the reference's twin
+                bad = [s for s in stats if not s["ttrace_ok"]]
+                verdicts.append({
+                    "family": fam, "precision": prec, "seed": seed, "parallel": par,
+                    "world_size": _world(par), "tensors": len(stats),
+                    "ttrace": "fail" if bad else "pass", "failing": len(bad),
+                    "first_divergence": bad[0]["name"] + ": " + bad[0]["reason"] if bad else None,
+                    "failing_tensors": [{k: s[k] for k in ("name", "reason", "rel_err", "tolerance",
+                                                            "elem_err", "elem_tolerance", "scale_err",
+                                                            "scale_tolerance")} for s in bad[:5]],
+                    "megatron_fixed_fp": sum(s["megatron_fail"] for s in stats),
+                    "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
+                                                   if s["kind"] == "param_grad"),
+                    "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
+        if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
+            studies += corruption(ref, pert, cands["tp2"], prec, policy)
+            if prec != "fp32":   # the previous method: weight perturbation, scale not judged
+                _, wpert, _ = load_combo(url, R, (), perturbed="perturbed-weights")
+                studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0),
+                                      method="weights, no scale (before)")
 
-    ratio = {}
+    matrix_fams = sorted({x["family"] for x in rows["matrix"]}, key=list(FAMILIES).index)
+    result = {
+        "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
+                   "floor_elem": policy.floor_elem, "R": R},
+        "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
+        "seconds_runs": t_runs,
+        "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
+        "clean_matrix": {"seeds": seeds, "families": matrix_fams, "checks": len(verdicts),
+                         "false_positives": sum(v["ttrace"] == "fail" for v in verdicts),
+                         "by_family": {f: _counts([v for v in verdicts if v["family"] == f])
+                                       for f in matrix_fams},
+                         "eight_rank": _counts([v for v in verdicts if v["world_size"] == 8]),
+                         "megatron_fixed_checks_flagged": sum(v["megatron_fixed_fp"] > 0 for v in verdicts),
+                         "assert_close_checks_flagged": sum(v["assert_close_fp"] > 0 for v in verdicts),
+                         "verdicts": verdicts,
+                         "held_out_ratios": calibrate(rows["matrix"])},
+        "tolerance_over_clean_error": headroom(rows["matrix"], precs),
+        "tolerance_over_clean_error_by_family": {f: headroom([x for x in rows["matrix"]
+                                                              if x["family"] == f], precs)
+                                                 for f in matrix_fams},
+        "corruption": studies,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(f"wrote {args.out}")
+    if args.trained and trained_stage(args, Path(args.out)):
+        return 1
+    # The figure this bench exists for: no clean check of any family may fail.
+    return 1 if result["clean_matrix"]["false_positives"] else 0
+
+
+def _counts(verdicts: list[dict]) -> dict[str, int]:
+    return {"checks": len(verdicts), "false_positives": sum(v["ttrace"] == "fail" for v in verdicts)}
+
+
+def headroom(rows: list[dict], precs: tuple[str, ...]) -> dict[str, Any]:
+    """Tolerance / honest error per precision and kind, over the clean matrix's tensors."""
+    ratio: dict[str, Any] = {}
     for prec in precs:
-        pr = [x for x in rows["matrix"] if x["precision"] == prec and x["parallel"] != "single"]
+        pr = [x for x in rows if x["precision"] == prec and x["parallel"] != "single"]
+        if not pr:
+            continue
         kinds = sorted({x["kind"] for x in pr})
         ratio[prec] = {k: {
             "norm_tol_over_err": ratio_summary([x["tolerance"] / x["rel_err"] for x in pr
@@ -334,28 +419,7 @@ def main() -> int:
             "scale_tol_over_err": ratio_summary([x["scale_tolerance"] / abs(x["scale_err"]) for x in pr
                                                  if x["kind"] == k and x["scale_err"]
                                                  and math.isfinite(x["scale_tolerance"])])} for k in kinds}
-    result = {
-        "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
-                   "floor_elem": policy.floor_elem, "R": R},
-        "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
-        "seconds_runs": t_runs,
-        "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
-        "clean_matrix": {"seeds": seeds, "checks": len(verdicts),
-                         "false_positives": sum(v["ttrace"] == "fail" for v in verdicts),
-                         "megatron_fixed_checks_flagged": sum(v["megatron_fixed_fp"] > 0 for v in verdicts),
-                         "assert_close_checks_flagged": sum(v["assert_close_fp"] > 0 for v in verdicts),
-                         "verdicts": verdicts,
-                         "held_out_ratios": calibrate(rows["matrix"])},
-        "tolerance_over_clean_error": ratio,
-        "corruption": studies,
-    }
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print_tables(result)
-    print(f"wrote {args.out}")
-    if args.trained and trained_stage(args, Path(args.out)):
-        return 1
-    # The figure this bench exists for: no clean check may fail.
-    return 1 if result["clean_matrix"]["false_positives"] else 0
+    return ratio
 
 
 def trained_stage(args: argparse.Namespace, out: Path) -> int:
@@ -377,14 +441,32 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+def _fmt_min(by_kind: dict[str, dict], metric: str) -> str:
+    """The smallest head-room of one metric over every kind of tensor."""
+    mins = [k[metric]["min"] for k in by_kind.values() if k[metric].get("n")]
+    return f"{min(mins):.1f}" if mins else "-"
+
+
 def print_tables(res: dict) -> None:
     cm = res["clean_matrix"]
-    print(f"\nclean matrix: {cm['checks']} checks, ttrace false positives: {cm['false_positives']}; "
-          f"checks Megatron's fixed bound flags: {cm['megatron_fixed_checks_flagged']}; "
-          f"assert_close flags: {cm['assert_close_checks_flagged']}")
+    print(f"\nclean matrix (seeds {cm['seeds']}): {cm['checks']} checks, ttrace false positives: "
+          f"{cm['false_positives']}; checks Megatron's fixed bound flags: "
+          f"{cm['megatron_fixed_checks_flagged']}; assert_close flags: {cm['assert_close_checks_flagged']}")
+    print(f"  {'family':15s} {'checks':>6s} {'FP':>4s}  smallest head-room (tolerance / honest error) "
+          "norm-wise, elementwise, scale")
+    by_fam = res["tolerance_over_clean_error_by_family"]
+    rows = [(f, c, by_fam.get(f, {})) for f, c in cm["by_family"].items()]
+    for fam, c, hr in rows + [("8-rank recipes", cm["eight_rank"], None),
+                              ("total", _counts(cm["verdicts"]), res["tolerance_over_clean_error"])]:
+        room = ""
+        if hr is not None:
+            metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err")
+            room = "  ".join(f"{p} " + "/".join(_fmt_min(hr[p], m) for m in metrics) for p in hr)
+        print(f"  {fam:15s} {c['checks']:6d} {c['false_positives']:4d}  {room}")
     for v in cm["verdicts"]:
         if v["ttrace"] != "pass":
-            print(f"  FP {v['precision']} seed={v['seed']} {v['parallel']}: {v['first_divergence']}")
+            print(f"  FP {v['family']} {v['precision']} seed={v['seed']} {v['parallel']}: "
+                  f"{v['first_divergence']}")
     print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
     for prec, c in res["calibration"]["ratios"].items():
         n, e = c["norm_ratio_all"], c["elem_ratio_all"]
