@@ -47,6 +47,8 @@ from tracer.tolerance import (  # noqa: E402
     noise_scale,
     projection,
     rel_err,
+    rowcol_err,
+    rowcol_noise,
     unit_roundoff,
 )
 
@@ -176,6 +178,7 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
             "excused_fraction": res.excused_fraction,
             "replica_err": res.replica_err, "ttrace_ok": res.ok, "reason": res.reason,
             "tolerance": res.tolerance, "elem_tolerance": res.elem_tolerance,
+            "rowcol_err": res.rowcol_err, "rowcol_tolerance": res.rowcol_tolerance,
             "megatron_fail": res.rel_err > megatron_bound(prec),
             "assert_close_fail": assert_close_fails(c, r, e["dtype"]),
         })
@@ -226,14 +229,17 @@ LAYER = "layers.1."   # the "one layer's grads" probe: every param_grad of this 
 
 def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: str, kind: str,
              policy: TolerancePolicy, megatron: float) -> dict[str, bool]:
-    """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, elementwise),
+    """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, elementwise,
+    row-column),
     its norm-wise metric alone, Megatron's fixed bound, assert_close."""
     u = unit_roundoff(dtype)
     noise = [rel_err(p, r) for p in ps]
     re = rel_err(c, r)
     verdict = (re > policy.tolerance(noise, dtype)
                or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind)
-               or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u)))
+               or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
+               or (kind != "param" and rowcol_err(c, r, ps, u)
+                   > policy.rowcol_tolerance(rowcol_noise(ps, r, u), r.shape)))
     return {"ttrace": verdict, "ttrace_normwise": re > policy.tolerance(noise, dtype),
             "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
 
@@ -356,13 +362,17 @@ def main() -> int:
                     "first_divergence": bad[0]["name"] + ": " + bad[0]["reason"] if bad else None,
                     "failing_tensors": [{k: s[k] for k in ("name", "reason", "rel_err", "tolerance",
                                                             "elem_err", "elem_tolerance", "scale_err",
-                                                            "scale_tolerance")} for s in bad[:5]],
+                                                            "scale_tolerance", "rowcol_err",
+                                                            "rowcol_tolerance")} for s in bad[:5]],
                     "megatron_fixed_fp": sum(s["megatron_fail"] for s in stats),
                     "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
                                                    if s["kind"] == "param_grad"),
                     "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
             studies += corruption(ref, pert, cands["tp2"], prec, policy)
+            # the method before the row-column metric (2026-11-24), on the same traces
+            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_rowcol=0.0),
+                                  method="no row-column (before)")
             if prec != "fp32":   # the previous method: weight perturbation, scale not judged
                 _, wpert, _ = load_combo(url, R, (), perturbed="perturbed-weights")
                 studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0),
@@ -371,7 +381,8 @@ def main() -> int:
     matrix_fams = sorted({x["family"] for x in rows["matrix"]}, key=list(FAMILIES).index)
     result = {
         "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
-                   "floor_elem": policy.floor_elem, "R": R},
+                   "floor_elem": policy.floor_elem, "k_scale": policy.k_scale, "k_rowcol": policy.k_rowcol,
+                   "R": R},
         "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
         "seconds_runs": t_runs,
         "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
@@ -418,7 +429,10 @@ def headroom(rows: list[dict], precs: tuple[str, ...]) -> dict[str, Any]:
                                                 if x["kind"] == k and x["elem_err"] > 0]),
             "scale_tol_over_err": ratio_summary([x["scale_tolerance"] / abs(x["scale_err"]) for x in pr
                                                  if x["kind"] == k and x["scale_err"]
-                                                 and math.isfinite(x["scale_tolerance"])])} for k in kinds}
+                                                 and math.isfinite(x["scale_tolerance"])]),
+            "rowcol_tol_over_err": ratio_summary([x["rowcol_tolerance"] / x["rowcol_err"] for x in pr
+                                                  if x["kind"] == k and x.get("rowcol_err")
+                                                  and math.isfinite(x["rowcol_tolerance"])])} for k in kinds}
     return ratio
 
 
@@ -453,14 +467,14 @@ def print_tables(res: dict) -> None:
           f"{cm['false_positives']}; checks Megatron's fixed bound flags: "
           f"{cm['megatron_fixed_checks_flagged']}; assert_close flags: {cm['assert_close_checks_flagged']}")
     print(f"  {'family':15s} {'checks':>6s} {'FP':>4s}  smallest head-room (tolerance / honest error) "
-          "norm-wise, elementwise, scale")
+          "norm-wise, elementwise, scale, row-column")
     by_fam = res["tolerance_over_clean_error_by_family"]
     rows = [(f, c, by_fam.get(f, {})) for f, c in cm["by_family"].items()]
     for fam, c, hr in rows + [("8-rank recipes", cm["eight_rank"], None),
                               ("total", _counts(cm["verdicts"]), res["tolerance_over_clean_error"])]:
         room = ""
         if hr is not None:
-            metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err")
+            metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err", "rowcol_tol_over_err")
             room = "  ".join(f"{p} " + "/".join(_fmt_min(hr[p], m) for m in metrics) for p in hr)
         print(f"  {fam:15s} {c['checks']:6d} {c['false_positives']:4d}  {room}")
     for v in cm["verdicts"]:
@@ -474,24 +488,27 @@ def print_tables(res: dict) -> None:
               f"elementwise max {e.get('max', 0):.2f} median {e.get('median', 0):.2f} | "
               f"zero-noise tensors' err (ulps) max {c['zero_noise_err_ulps'].get('max', 0):.2f}")
     print("\nsmallest detected corruption delta (- = not detected at delta <= 64):")
-    print(f"  {'prec':5s} {'method':26s} {'probe':11s} {'tensor':40s} {'ttrace':>8s} {'normwise':>8s} "
+    print(f"  {'prec':5s} {'method':28s} {'probe':11s} {'tensor':40s} {'ttrace':>8s} {'normwise':>8s} "
           f"{'megatron':>8s} {'assert_close':>12s}")
     for s in res["corruption"]:
-        print(f"  {s['precision']:5s} {s['method']:26s} {s['mode']:11s} {s['tensor']:40s} "
+        print(f"  {s['precision']:5s} {s['method']:28s} {s['mode']:11s} {s['tensor']:40s} "
               f"{_fmt(s['ttrace']):>8s} {_fmt(s['ttrace_normwise']):>8s} "
               f"{_fmt(s['megatron_fixed']):>8s} {_fmt(s['assert_close']):>12s}")
     print("\nexcused fraction of param tensors (clean matrix):")
     for prec, c in res["clean_matrix"]["held_out_ratios"].items():
         e = c.get("excused_fraction_param", {})
         print(f"  {prec:5s} median {e.get('median', 0):.2f} max {e.get('max', 0):.2f}")
-    print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise; scale):")
+    print("\ntolerance / clean error per kind, min and median over tensors (norm-wise; elementwise; scale; "
+          "row-column):")
     for prec, kinds in res["tolerance_over_clean_error"].items():
         for k, v in kinds.items():
             n, e, c = v["norm_tol_over_err"], v["elem_tol_over_err"], v["scale_tol_over_err"]
+            rc = v.get("rowcol_tol_over_err", {})
             print(f"  {prec:5s} {k:12s} norm min {n.get('min', math.nan):8.1f} "
                   f"median {n.get('median', math.nan):8.1f}"
                   f" | elem min {e.get('min', math.nan):8.1f} median {e.get('median', math.nan):8.1f}"
-                  f" | scale min {c.get('min', math.nan):8.1f} median {c.get('median', math.nan):8.1f}")
+                  f" | scale min {c.get('min', math.nan):8.1f} median {c.get('median', math.nan):8.1f}"
+                  f" | rowcol min {rc.get('min', math.nan):6.1f} median {rc.get('median', math.nan):6.1f}")
 
 
 if __name__ == "__main__":

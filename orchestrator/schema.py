@@ -154,6 +154,7 @@ class Tolerance:
     k_elem: float = 6.0
     floor_elem: float = 4.0
     k_scale: float = 1.5             # scale error (projection on r): tol = k_scale x norm-wise noise
+    k_rowcol: float = 4.0            # elementwise under the row-column noise model (0: off)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
 

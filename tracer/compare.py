@@ -17,7 +17,7 @@ from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey, measure
 from tracer.stats_compare import compare_stats
-from tracer.tolerance import TolerancePolicy, unit_roundoff
+from tracer.tolerance import TolerancePolicy, rowcol_shape, unit_roundoff
 from tracer.verdicts import Comparison, TensorResult
 
 
@@ -120,7 +120,8 @@ def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     return [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
-                      math.prod(reference.shape(n))) for n in reference.order]
+                      math.prod(reference.shape(n)), rowcol_shape(reference.shape(n)))
+            for n in reference.order]
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
@@ -188,10 +189,10 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # have nothing in common); a module's outputs pool over the step's microbatches.
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
-    pooled: dict[tuple, tuple[float, float]] = {}
+    pooled: dict[tuple, tuple[float, float, float]] = {}
     for name in reference.order:
-        f = pooled.get(family(name), (0.0, 0.0))
-        pooled[family(name)] = (max(f[0], stats[name].noise), max(f[1], stats[name].elem_noise))
+        st, f = stats[name], pooled.get(family(name), (0.0, 0.0, 0.0))
+        pooled[family(name)] = (max(f[0], st.noise), max(f[1], st.elem_noise), max(f[2], st.rowcol_noise))
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
     # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
@@ -212,7 +213,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     for index, name in enumerate(reference.order):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise = pooled[family(name)]
+        noise, e_noise, rc_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -224,6 +225,9 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]),
+            rowcol_err=_finite(st.rowcol_err), rowcol_noise=st.rowcol_noise,
+            rowcol_tolerance=policy.rowcol_tolerance([rc_noise], reference.shape(name))
+            if e["kind"] != "param" else math.inf,
             scale_err=_finite(st.scale_err),
             scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"]),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
@@ -247,6 +251,10 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
         elif res.elem_err > res.elem_tolerance:
             res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
                                          f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")
+        elif res.rowcol_err > res.rowcol_tolerance:
+            res.ok, res.reason = False, (f"elementwise: an element is {res.rowcol_err:.3g} x its row's and "
+                                         f"column's noise off (tolerance {res.rowcol_tolerance:.3g}; "
+                                         f"rel_err {res.rel_err:.3g})")
         elif policy.replicas == "exact" and res.replica_differ:
             res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} differ in "
                                          f"{res.replica_differ} element(s) (rel {res.replica_err:.3g}); "

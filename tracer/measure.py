@@ -7,10 +7,10 @@ every elementwise formula runs once per chunk, and per-tensor figures come from 
 reductions (see Blocks). Chunks stay cache-sized, and their temporaries come from the heap
 (tracer/heap.py).
 
-The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err,
-elem_noise, rel_err, max_err, cosine); tests/test_measure.py holds the two
-equal. Elementwise work runs in the widest dtype of the chunk's inputs (float32 for float32, bf16
-and fp8 traces, so differences of nearby values are exact), sums of squares in float64.
+The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err, elem_noise,
+rel_err, max_err, cosine, rowcol_*); tests/test_measure.py holds the two equal. Elementwise work
+runs in the widest dtype of the chunk's inputs (float32 for float32, bf16 and fp8 traces, so
+differences of nearby values are exact), sums of squares in float64.
 
 Adam excusal (see `tracer.compare.compare`): a post-step `param` element is not judged where this
 or an earlier step's gradient was within noise of zero, or where its error is explained by the
@@ -30,6 +30,7 @@ import torch
 from tracer.blocks import Blocks, leave_one_out, max_rows, no_nan, ratio
 from tracer.chunk_pool import default_workers, ordered_map
 from tracer.heap import heap_keeps_chunks
+from tracer.rowcol import rowcol_figures
 
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
 
@@ -60,6 +61,8 @@ class TensorStats:
     absmax: float = 0.0        # largest |r_i| of a parameter (one ulp of room for its bound)
     beyond: int = 0            # excused elements beyond k_elem x their perturbed envelope
     beyond_noise: int = 0      # the same count for each perturbed run against the others (max over runs)
+    rowcol_err: float = 0.0    # max_i |c_i - r_i| / row-column noise scale_i (tracer/rowcol.py)
+    rowcol_noise: float = 0.0  # max_r leave-one-out rowcol_err(p_r)
 
 
 @dataclass(frozen=True)
@@ -71,15 +74,16 @@ class TensorKey:
     path: str             # parameter path (shared by a parameter's param_grad and param entries)
     unit: float           # unit roundoff of the tensor's traced dtype
     numel: int            # elements of the logical tensor
+    rowcol: tuple[int, int] | None = None   # (rows, columns) of the row-column metric; None: not judged
 
 
 class _Excusal:
     """Per parameter path: the accumulated not-judged mask, the latest gradient deviation, and how far
     the reference's own optimizer updates moved it (the scale an update flipped by noise can reach)."""
 
-    def __init__(self, k_elem: float):
+    def __init__(self, k_elem: float, masks: dict[str, torch.Tensor] | None = None):
         self.k = k_elem
-        self.masks: dict[str, torch.Tensor] = {}                          # flat bool
+        self.masks: dict[str, torch.Tensor] = {} if masks is None else masks   # flat bool
         self.grad_dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # (candidate, perturbed) |dg|
         self.previous: dict[str, torch.Tensor] = {}                       # the reference's last param value
         self.updates: dict[str, float] = {}                               # sum over steps of max |update|
@@ -104,9 +108,7 @@ def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]
         size += n
         if k.kind in ("param_grad", "param"):
             written.add(k.path)
-    if cur:
-        out.append(cur)
-    return out
+    return out + [cur] if cur else out
 
 
 def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
@@ -119,9 +121,7 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
     Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py); 1 measures
     them one by one on this thread with torch's own intra-op threads."""
-    excusal = _Excusal(k_elem)
-    if excused_masks is not None:
-        excusal.masks = excused_masks
+    excusal = _Excusal(k_elem, excused_masks)
     runs = (reference, candidate, *perturbed)
     load = lambda chunk: [{k.name: run[k.name] for k in chunk} for run in runs]
     work = lambda chunk, got: _measure_chunk(chunk, got[0], got[1], got[2:], excusal)
@@ -135,9 +135,8 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     return out
 
 
-def _measure_chunk(chunk: Sequence[TensorKey],
-                   reference: Mapping[str, torch.Tensor], candidate: Mapping[str, torch.Tensor],
-                   perturbed: Sequence[Mapping[str, torch.Tensor]],
+def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
+                   candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
                    excusal: _Excusal) -> dict[str, TensorStats]:
     names = [k.name for k in chunk]
     wide = any(run[n].dtype == torch.float64 for run in (reference, candidate, *perturbed) for n in names)
@@ -254,12 +253,11 @@ def _measure_chunk(chunk: Sequence[TensorKey],
     along = lambda x: torch.where(rn2 > 0, x / rn2.clamp_min(1e-300), 0.0)
     scale_err = along(r_dc)
     scale_noise = max_rows([along(blocks.dot(rj64, x)).abs() for x in d]) if ps else zero
-    dot = rn2 + r_dc
     cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
-    cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), dot / (cn * rn).clamp_min(1e-300))
+    cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), (rn2 + r_dc) / (cn * rn).clamp_min(1e-300))
 
-    # Non-finite values: the sums of squares above are finite exactly when the values are, so only
-    # a chunk with a non-finite sum (or judged on part of its elements) is counted element by element.
+    # Non-finite values: the sums of squares are finite exactly when the values are, so only a chunk
+    # with a non-finite sum (or judged on part of its elements) is counted element by element.
     sums = torch.stack([rn2, dc2, *pn])
     if judged is None and bool(torch.isfinite(sums).all()):
         nonfinite = ref_nonfinite = pert_nonfinite = zero
@@ -284,6 +282,9 @@ def _measure_chunk(chunk: Sequence[TensorKey],
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = ((c.view(-1)[sl] - rv).abs(), e.clone())
 
+    # Post-step params are judged through their excusal, not by the row-column metric.
+    rc_err, rc_noise = rowcol_figures([None if k.kind == "param" else k.rowcol for k in chunk],
+                                      [k.unit for k in chunk], blocks, r, c, d_full)
     bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
     moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
@@ -295,5 +296,5 @@ def _measure_chunk(chunk: Sequence[TensorKey],
                                 excused=int(rows[10][i]), moved=moved[i], excused_dev=excused_dev[i],
                                 env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
                                 updates=updates[i], absmax=absmax[i], scale_err=rows[11][i],
-                                scale_noise=rows[12][i])
+                                scale_noise=rows[12][i], rowcol_err=rc_err[i], rowcol_noise=rc_noise[i])
             for i, k in enumerate(chunk)}

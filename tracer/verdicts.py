@@ -32,6 +32,9 @@ class TensorResult:
     elem_err: float = 0.0        # max_i |c_i - r_i| / per-element noise scale (tracer.tolerance)
     elem_noise: float = 0.0      # largest leave-one-out elem_err of a perturbed reference
     elem_tolerance: float = math.inf   # on elem_err
+    rowcol_err: float = 0.0      # max_i |c_i - r_i| / row-column noise scale_i (tracer.tolerance)
+    rowcol_noise: float = 0.0    # largest leave-one-out rowcol_err of a perturbed reference
+    rowcol_tolerance: float = math.inf  # on rowcol_err (inf: the tensor is not judged by it)
     scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
     scale_tolerance: float = math.inf  # on |scale_err|
     excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:

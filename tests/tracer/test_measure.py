@@ -16,6 +16,9 @@ from tracer.tolerance import (
     projection,
     reference_norm,
     rel_err,
+    rowcol_err,
+    rowcol_noise,
+    rowcol_shape,
 )
 
 K_ELEM = 6.0
@@ -81,6 +84,10 @@ def _oracle(keys, ref, cand, perts):
             "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),
             "max_noise": max((max_err(p, r) for p in ps), default=0.0),
             "elem_err": elem_err(c, r, noise_scale(ps, r, k.unit)), "excused": full_c.numel() - c.numel()}
+        if k.rowcol and k.kind != "param":   # on the tensor's (rows, columns) view
+            rv, pv = r.view(k.rowcol), [p.view(k.rowcol) for p in ps]
+            out[k.name]["rowcol_err"] = rowcol_err(full_c.view(k.rowcol), rv, pv, k.unit)
+            out[k.name]["rowcol_noise"] = max(rowcol_noise(pv, rv, k.unit), default=0.0)
         if k.kind == "param_grad" and ps and r.numel():
             env = torch.stack([(p - r).abs() for p in ps]).amax(0)
             near = r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt())
@@ -93,15 +100,16 @@ def _traces(n_perturbed: int):
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)
     sizes = {"a/output": (0,), "b/output": (1,), "c/output": (BLOCK - 1,), "d/output": (BLOCK,),
-             "e/output": (3, BLOCK + 1), "zero/output": (40,), "big/output": (50, 70)}
+             "e/output": (3, BLOCK + 1), "zero/output": (40,), "big/output": (50, 70),
+             "rc/output": (2, 16, 24)}
     keys, ref = [], {}
     for name, shape in sizes.items():
         t = torch.zeros(shape) if name.startswith("zero") else rnd(*shape)
-        keys.append(TensorKey(f"0/0/{name}", "output", name, U, t.numel()))
+        keys.append(TensorKey(f"0/0/{name}", "output", name, U, t.numel(), rowcol_shape(shape)))
         ref[keys[-1].name] = t
     for step in range(2):   # a parameter over two steps: its gradient, then its post-step value
         for kind in ("param_grad", "param"):
-            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300))
+            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300, (10, 30)))   # rowcol: grad only
             t = rnd(300) * (1e-3 if kind == "param_grad" else 1.0)
             t[::7] *= 1e-6   # gradient elements within noise of zero: excused at the param
             ref[keys[-1].name] = t
@@ -138,6 +146,9 @@ def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_ele
         # Gradients exactly zero in every run (every 11th element) give a deterministic update: judged.
         assert got["0/-/w/param"].excused <= 300 - len(range(3, 300, 11))
         assert got["0/0/big/output"].elem_err > 1e3
+        if n_perturbed > 1:
+            assert got["0/0/big/output"].rowcol_err > 1e3 > got["0/0/rc/output"].rowcol_err > 0
+            assert got["0/0/rc/output"].rowcol_noise > 0 and got["0/0/e/output"].rowcol_err == 0   # 3 rows
     assert got["0/0/e/output"].nonfinite == 1
 
 
