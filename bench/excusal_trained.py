@@ -89,8 +89,8 @@ def _mutate(ref: Any, cand: Any, masks: dict[str, torch.Tensor], how: str) -> tu
     params = [n for n in ref.order if ref.info[n]["kind"] == "param" and ref.info[n]["step"] == last
               and path(n) in masks and masks[path(n)].any()]
     if how == "flip10":   # one weight matrix
-        params = [max((n for n in params if len(ref.shape(n)) == 2),
-                      key=lambda n: int(masks[path(n)].sum()))]
+        weights = [n for n in params if len(ref.shape(n)) == 2]
+        params = [max(weights, key=lambda n: int(masks[path(n)].sum()))] if weights else []
     changed = 0
     for n in params:
         m = masks[path(n)].clone()
@@ -107,12 +107,14 @@ def _mutate(ref: Any, cand: Any, masks: dict[str, torch.Tensor], how: str) -> tu
     return cand, changed
 
 
-def judge(store: Path, seeds: list[int], mutations: bool) -> dict[str, Any]:
+def judge(store: Path, seeds: list[int], mutations: bool, precisions: list[str],
+          data: list[str]) -> dict[str, Any]:
     policy = TolerancePolicy()
     plain = lambda t: {n: t.tensors[n].tensor for n in t.order}
     checks = []
     for e in json.loads((store / "index.json").read_text()):
-        if e["seed"] not in seeds or not e["candidate"] or not e["reference"]:
+        if (e["seed"] not in seeds or e["precision"] not in precisions or e["data"] not in data
+                or not e["candidate"] or not e["reference"]):
             continue
         ref = load_logical(e["reference"], "reference", 1)
         pert = [load_logical(e["reference"], f"perturbed-{r}", 1) for r in (1, 2, 3)]
@@ -121,8 +123,11 @@ def judge(store: Path, seeds: list[int], mutations: bool) -> dict[str, Any]:
         row = {k: e[k] for k in ("precision", "seed", "age", "data", "parallel")}
         row.update(verdict=comp.verdict, first=comp.first_divergence and comp.first_divergence.name,
                    reason=comp.first_divergence and comp.first_divergence.reason,
+                   excused_params=sum(r.kind == "param" and r.excused > 0 for r in comp.results),
+                   excused_total=sum(r.excused for r in comp.results if r.kind == "param"),
+                   # [excused, beyond, beyond_noise] of the params the count rule could fail
                    params={r.name: [r.excused, r.beyond, r.beyond_noise] for r in comp.results
-                           if r.kind == "param" and r.excused})
+                           if r.kind == "param" and r.excused and (r.beyond or r.beyond_noise)})
         # The count rule before trained-state calibration, k x (beyond_noise + 1), judged last
         row["before"] = "fail" if comp.verdict == "fail" or any(
             b > policy.k * (m + 1) for _, b, m in row["params"].values()) else comp.verdict
@@ -148,15 +153,29 @@ def judge(store: Path, seeds: list[int], mutations: bool) -> dict[str, Any]:
         checks.append(row)
     fps = sum(c["verdict"] != "pass" for c in checks)
     fps_before = sum(c["before"] != "pass" for c in checks)
-    count_rule = lambda v: sum(c[v] == "fail" and "excused elements are beyond" in (c["reason"] or "")
-                               for c in checks)
+    by_count = sum(c["verdict"] == "fail" and "excused elements are beyond" in (c["reason"] or "")
+                   for c in checks)
     missed = sum(c[h]["verdict"] == "pass" for c in checks for h in MUTATIONS if h in c)
+    # caught / judged per mutation, on the checks whose honest candidate passes (evidence only there)
+    clean = [c for c in checks if c["verdict"] == "pass"]
+    by = {h: {"caught": sum(c[h]["verdict"] == "fail" for c in clean if h in c),
+              "judged": sum(c[h]["verdict"] != "skipped" for c in clean if h in c),
+              "by_count_rule": sum("excused elements are beyond" in (c[h].get("reason") or "")
+                                   for c in clean if h in c)} for h in MUTATIONS}
     return {"seeds": seeds, "checks": len(checks), "false_positives": fps,
-            "false_positives_count_rule": count_rule("verdict"),
+            "false_positives_count_rule": by_count,
             "false_positives_before": fps_before,
-            "false_positives_count_rule_before": fps_before - fps + count_rule("verdict"),
-            "mutations_missed": missed,
+            # the old rule is judged last: what it adds fails on the count rule alone
+            "false_positives_count_rule_before": fps_before - fps + by_count,
+            "mutations_missed": missed, "mutations_on_clean_checks": by,
             "rows": checks}
+
+
+def dumps(res: dict[str, Any]) -> str:
+    """The result as JSON, one check per line."""
+    rows = ",\n".join(json.dumps(r, separators=(",", ":")) for r in res["rows"])
+    head = json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=1)[:-2]
+    return f'{head},\n "rows": [\n{rows}\n]}}\n'
 
 
 def main() -> int:
@@ -166,7 +185,7 @@ def main() -> int:
     ap.add_argument("--seeds", default="4,5")
     ap.add_argument("--ages", default="50,200")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--data", choices=("text", "synthetic"), default="text")
+    ap.add_argument("--data", default="text", help="text or synthetic tokens (judge: comma-separated)")
     ap.add_argument("--no-mutations", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -174,13 +193,14 @@ def main() -> int:
     if a.phase == "run":
         run(a.store, ints(a.seeds), ints(a.ages), a.precisions.split(","), a.data)
         return 0
-    res = judge(a.store, ints(a.seeds), not a.no_mutations)
+    res = judge(a.store, ints(a.seeds), not a.no_mutations, a.precisions.split(","), a.data.split(","))
     print(f"{res['checks']} checks: false positives {res['false_positives']} (count rule "
           f"{res['false_positives_count_rule']}; before: {res['false_positives_before']}, count rule "
-          f"{res['false_positives_count_rule_before']}), "
+          f"{res['false_positives_count_rule_before']}), mutations on clean checks "
+          f"{res['mutations_on_clean_checks']}, "
           f"mutations missed {res['mutations_missed']}")
     if a.out:
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        a.out.write_text(dumps(res))
     return 1 if res["false_positives"] or res["mutations_missed"] else 0
 
 
