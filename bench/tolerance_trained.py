@@ -42,14 +42,16 @@ class _Untraced:
         return lambda *a, **k: contextlib.nullcontext()
 
 
-def train_checkpoint(directory: Path, steps: int, precision: str, data: Path, seed: int) -> None:
+def train_checkpoint(directory: Path, steps: int, precision: str, data: Path | None, seed: int) -> None:
+    """Train `steps` steps on one device on the token file `data` (None: synthetic tokens), save."""
     from orchestrator import recipe
     from tracer.job import Session
     from tracer.job_config import JobConfig
     from workloads.train import main
 
     rec = recipe.compose([f"precision={precision}", "parallel=single", f"steps={steps}", f"seed={seed}",
-                          f"data.path={data}", f"checkpoint.save={directory}", "tracking.enabled=false"])
+                          f"checkpoint.save={directory}", "tracking.enabled=false",
+                          *([f"data.path={data}"] if data else [])])
     spec = recipe.job_spec(rec, role="reference", store_url=str(directory) + "-untraced")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
