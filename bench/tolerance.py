@@ -236,7 +236,7 @@ def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: st
     noise = [rel_err(p, r) for p in ps]
     re = rel_err(c, r)
     verdict = (re > policy.tolerance(noise, dtype)
-               or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind)
+               or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind, r.shape)
                or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
                or (kind != "param" and rowcol_err(c, r, ps, u)
                    > policy.rowcol_tolerance(rowcol_noise(ps, r, u), r.shape)))

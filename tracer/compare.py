@@ -247,7 +247,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             rowcol_tolerance=policy.rowcol_tolerance([rc_noise], reference.shape(name))
             if e["kind"] != "param" else math.inf,
             scale_err=_finite(st.scale_err),
-            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"]),
+            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], reference.shape(name)),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
             excused_dev=_finite(st.excused_dev),
             excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),

@@ -118,3 +118,15 @@ def test_policy_floors_config_and_analytic_bound():
     # Megatron-CI style bound: the compute precision's eps, never finer than the tensor's dtype.
     assert p.analytic_bound(0, "float32", "bf16") == 3 * compute_roundoff("bf16")
     assert p.analytic_bound(2, "float32", "fp32") == pytest.approx(3 * 1.03**2 * 2.0**-24)
+
+
+def test_scale_is_judged_on_outputs_and_grads_of_two_or_more_dims_only():
+    """A norm's weight or a bias (one dim) has a grad summed over every token; from trained weights a
+    TP layout's honest error lies along it (docs/tolerance.md), so its projection is not judged; a
+    matrix's is, and so is nothing of `param` or `loss`."""
+    policy = TolerancePolicy()
+    assert policy.scale_tolerance([1e-3], "float32", "param_grad", (64, 32)) == pytest.approx(1.5e-3)
+    assert policy.scale_tolerance([1e-3], "float32", "output", (2, 16, 32)) == pytest.approx(1.5e-3)
+    assert math.isinf(policy.scale_tolerance([1e-3], "float32", "param_grad", (64,)))
+    assert math.isinf(policy.scale_tolerance([1e-3], "float32", "param", (64, 32)))
+    assert math.isinf(policy.scale_tolerance([1e-3], "float32", "loss", ()))
