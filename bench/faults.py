@@ -30,8 +30,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.cluster import free_port, rank_worker_pids  # noqa: E402
+from orchestrator.cluster import rank_worker_pids  # noqa: E402
 from orchestrator.console import report_paths  # noqa: E402
+from orchestrator.rank_tasks import free_port  # noqa: E402
 
 OUT = ROOT / "bench" / "faults.json"
 TTRACE = str(ROOT / ".venv" / "bin" / "ttrace")

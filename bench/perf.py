@@ -153,7 +153,7 @@ def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
     writer before issue 16."""
     import os
 
-    from orchestrator.cluster import free_port
+    from orchestrator.rank_tasks import free_port
     from workloads import train
 
     if legacy:
@@ -191,7 +191,7 @@ def _spawn_ranks(spec: dict[str, Any]) -> None:
     """Run a multi-rank job (one process per rank) to completion."""
     import torch.multiprocessing as torch_mp  # multiprocessing has no start_processes
 
-    from orchestrator.cluster import free_port
+    from orchestrator.rank_tasks import free_port
 
     torch_mp.start_processes(_rank, args=(spec, free_port("127.0.0.1")),
                              nprocs=int(spec["parallel"]["world_size"]), join=True, start_method="spawn")

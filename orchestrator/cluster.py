@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.rank_logs import node_id
-from orchestrator.rank_tasks import free_port, rank_task, rendezvous, worker_env  # noqa: F401 (free_port: benches)
+from orchestrator.rank_tasks import rank_task, rendezvous, worker_env
 from tracer.errors import ConfigError, JobError
 
 MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
