@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe  # noqa: E402
 from tracer.compare import compare  # noqa: E402
+from tracer.errors import TraceError  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
@@ -158,8 +159,12 @@ def load_combo(url: str, R: int, parallels: tuple[str, ...] = PARALLELS,
     cands = {}
     for par in parallels:
         ws = _world(par)
-        if _complete(url, f"cand-{par}", ws):
+        if not _complete(url, f"cand-{par}", ws):
+            continue
+        try:
             cands[par] = load_logical(url, f"cand-{par}", ws)
+        except TraceError as e:   # a job stopped early (its manifests say so): not a check
+            print(f"bench: skipping {url} cand-{par}: {str(e)[:200]}", flush=True)
     return ref, pert, cands
 
 
