@@ -36,7 +36,6 @@ Environment: tracer/job_config.py.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -49,7 +48,7 @@ from tracer.job_config import INITIAL_STEP, JobConfig, Parallel
 from tracer.job_inputs import JobInputs
 from tracer.parameters import EveryStep, mesh_axes_of, param_layout_map, perturb_parameters
 from tracer.plan import Plan, Rename
-from tracer.process_exit import collect_garbage_at_exit, on_uncaught_exception
+from tracer.process_exit import close_at_exit, collect_garbage_at_exit, on_uncaught_exception
 
 # A tracer built at attach time: (coords, sizes, meta) -> tracer.Tracer-like (tests record in memory).
 TracerFactory = Callable[[Mapping[str, int], Mapping[str, int], Mapping[str, Any], bool], Any]
@@ -277,7 +276,7 @@ def session(**defaults: Any) -> Session:
     global _current
     if _current is None or _current._closed:
         _current = Session(JobConfig.from_env(**defaults))
-        atexit.register(_current.close)
+        close_at_exit(current)
         on_uncaught_exception(_mark_failed)
         collect_garbage_at_exit()
     return _current

@@ -1,5 +1,6 @@
-"""What a traced process does at its end: collect garbage while the interpreter is whole (torch's gloo
-backend), and mark the session's trace incomplete when the job died of an uncaught exception."""
+"""What a traced process does at its end: close its session, collect garbage while the interpreter is
+whole (torch's gloo backend), and mark the session's trace incomplete when the job died of an
+uncaught exception."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def collect_garbage_at_exit() -> None:
 
 
 _collecting = False
+
+
+def close_at_exit(current: Callable[[], Any]) -> None:
+    """Close the process's current session (`current()`, if any) at exit: a script that never closed
+    it still commits its trace. Registered once per process: one handler per session kept every
+    session of a reused worker alive, with its writer's 32 MB slabs (+100 MB per job, measured)."""
+    global _closing
+    if not _closing:
+        atexit.register(lambda: (s := current()) is not None and s.close())
+        _closing = True
+
+
+_closing = False
 
 
 def on_uncaught_exception(mark_failed: Callable[[str], None]) -> None:
