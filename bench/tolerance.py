@@ -50,6 +50,7 @@ from tracer.tolerance import (  # noqa: E402
     rel_err,
     rowcol_err,
     rowcol_noise,
+    rowcol_shape,
     unit_roundoff,
 )
 
@@ -243,8 +244,8 @@ def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: st
     verdict = (re > policy.tolerance(noise, dtype)
                or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind, r.shape)
                or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
-               or (kind != "param" and rowcol_err(c, r, ps, u)
-                   > policy.rowcol_tolerance(rowcol_noise(ps, r, u), r.shape)))
+               or rowcol_err(c, r, ps, u) > policy.rowcol_tolerance(rowcol_noise(ps, r, u),
+                                                                    rowcol_shape(r.shape, kind)))
     return {"ttrace": verdict, "ttrace_normwise": re > policy.tolerance(noise, dtype),
             "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
 

@@ -137,9 +137,9 @@ def beyond_limit(excused: int, beyond_noise: int, k: float) -> float:
 def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    return [TensorKey(n, reference.info[n]["kind"], path(n), unit_roundoff(reference.info[n]["dtype"]),
-                      math.prod(reference.shape(n)), rowcol_shape(reference.shape(n)))
-            for n in reference.order]
+    key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
+                                        rowcol_shape(shape, e["kind"]))
+    return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
@@ -228,7 +228,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
 
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
-    for index, name in enumerate(reference.order):
+    for index, (name, key) in enumerate(zip(reference.order, keys, strict=True)):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
         noise, e_noise, rc_noise = pooled[family(name)]
@@ -244,8 +244,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
             elem_tolerance=policy.elem_tolerance([e_noise]),
             rowcol_err=_finite(st.rowcol_err), rowcol_noise=st.rowcol_noise,
-            rowcol_tolerance=policy.rowcol_tolerance([rc_noise], reference.shape(name))
-            if e["kind"] != "param" else math.inf,
+            rowcol_tolerance=policy.rowcol_tolerance([rc_noise], key.rowcol),
             scale_err=_finite(st.scale_err),
             scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], reference.shape(name)),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),

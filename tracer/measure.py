@@ -282,9 +282,8 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = ((c.view(-1)[sl] - rv).abs(), e.clone())
 
-    # Post-step params are judged through their excusal, not by the row-column metric.
-    rc_err, rc_noise = rowcol_figures([None if k.kind == "param" else k.rowcol for k in chunk],
-                                      [k.unit for k in chunk], blocks, r, c, d_full)
+    rc_err, rc_noise = rowcol_figures([k.rowcol for k in chunk], [k.unit for k in chunk], blocks, r, c,
+                                      d_full)
     bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
     moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,

@@ -30,8 +30,8 @@ def _figures(rv: torch.Tensor, cv: torch.Tensor, devs: Sequence[torch.Tensor], u
     unit = 2.0 ** -math.frexp(big)[1] if big > 0 else 1.0
     sq = x[1:].mul(unit).square_()
     rows, cols = sq.sum(2), sq.sum(1)                                   # (R, rows), (R, cols)
-    rows = torch.cat([rows.sum(0, keepdim=True), rows.sum(0, keepdim=True) - rows])   # all, then LOO
-    cols = torch.cat([cols.sum(0, keepdim=True), cols.sum(0, keepdim=True) - cols])
+    all_runs = lambda s: torch.cat([(t := s.sum(0, keepdim=True)), t - s])   # all runs, then each LOO
+    rows, cols = all_runs(rows), all_runs(cols)
     k = torch.tensor([R] + [R - 1] * R, dtype=rows.dtype)[:, None]
     total = rows.sum(1, keepdim=True)
     a = torch.where(total > 0, rows / (k * total).clamp_min(torch.finfo(rows.dtype).tiny), 0.0).sqrt_()

@@ -148,9 +148,10 @@ def elem_noise(perturbed: Sequence[torch.Tensor], r: torch.Tensor, u: float) -> 
 ROWCOL_MIN = 8   # rows and columns a tensor needs for the row-column noise model (fewer: not judged)
 
 
-def rowcol_shape(shape: Sequence[int]) -> tuple[int, int] | None:
-    """(rows, columns) the row-column metric views a tensor as, or None if it does not judge it."""
-    if len(shape) < 2 or shape[-1] < ROWCOL_MIN or math.prod(shape) // shape[-1] < ROWCOL_MIN:
+def rowcol_shape(shape: Sequence[int], kind: str = "") -> tuple[int, int] | None:
+    """(rows, columns) the row-column metric views a tensor as, or None if it does not judge it: too
+    few rows or columns for the model, or a post-step `param` (judged through its excusal)."""
+    if kind == "param" or len(shape) < 2 or min(shape[-1], math.prod(shape) // shape[-1]) < ROWCOL_MIN:
         return None
     return math.prod(shape) // shape[-1], shape[-1]
 
@@ -216,7 +217,7 @@ class TolerancePolicy:
         return max(self.k * max(noise, default=0.0), floor)
 
     def scale_tolerance(self, noise: Sequence[float], dtype: str, kind: str,
-                        shape: Sequence[int] = (0, 0)) -> float:
+                        shape: Sequence[int]) -> float:
         """On |projection|: k_scale x the perturbed runs' largest norm-wise error, at least one unit
         roundoff of the dtype (not the norm-wise floor: 16 BF16 ulps are 6.25%, and where no
         perturbed run moved an output or grad, no honest layout did either; measured).
@@ -233,9 +234,9 @@ class TolerancePolicy:
     def elem_tolerance(self, noise: Sequence[float]) -> float:
         return max(self.k_elem * max(noise, default=0.0), self.floor_elem)
 
-    def rowcol_tolerance(self, noise: Sequence[float], shape: Sequence[int]) -> float:
-        """On rowcol_err; inf (not judged) for a tensor too small for the model, or k_rowcol = 0."""
-        if self.k_rowcol <= 0 or rowcol_shape(shape) is None:
+    def rowcol_tolerance(self, noise: Sequence[float], view: tuple[int, int] | None) -> float:
+        """On rowcol_err; inf (not judged) for a tensor without a view (rowcol_shape), or k_rowcol = 0."""
+        if self.k_rowcol <= 0 or view is None:
             return math.inf
         return max(self.k_rowcol * max(noise, default=0.0), self.floor_elem)
 

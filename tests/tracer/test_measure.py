@@ -84,7 +84,7 @@ def _oracle(keys, ref, cand, perts):
             "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),
             "max_noise": max((max_err(p, r) for p in ps), default=0.0),
             "elem_err": elem_err(c, r, noise_scale(ps, r, k.unit)), "excused": full_c.numel() - c.numel()}
-        if k.rowcol and k.kind != "param":   # on the tensor's (rows, columns) view
+        if k.rowcol:   # on the tensor's (rows, columns) view
             rv, pv = r.view(k.rowcol), [p.view(k.rowcol) for p in ps]
             out[k.name]["rowcol_err"] = rowcol_err(full_c.view(k.rowcol), rv, pv, k.unit)
             out[k.name]["rowcol_noise"] = max(rowcol_noise(pv, rv, k.unit), default=0.0)
@@ -109,7 +109,7 @@ def _traces(n_perturbed: int):
         ref[keys[-1].name] = t
     for step in range(2):   # a parameter over two steps: its gradient, then its post-step value
         for kind in ("param_grad", "param"):
-            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300, (10, 30)))   # rowcol: grad only
+            keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300, rowcol_shape((10, 30), kind)))
             t = rnd(300) * (1e-3 if kind == "param_grad" else 1.0)
             t[::7] *= 1e-6   # gradient elements within noise of zero: excused at the param
             ref[keys[-1].name] = t
