@@ -25,6 +25,7 @@ from orchestrator.report import tracking
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.logical import load_logical
+from tracer.routing import routing_flips
 from tracer.tolerance import TolerancePolicy
 
 
@@ -133,6 +134,12 @@ def _judge(p: PlannedCheck) -> None:
                 f"{p.rec['reference']['micro_batch']}, the candidate into {p.rec['data']['micro_batch']}")
         p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step)
         p.loaded = (reference, perturbed)
+        if p.comparison.verdict == "fail":   # an MoE FAIL says how many tokens changed experts
+            flips = routing_flips(reference, candidate, perturbed, int(p.rec["model"].get("top_k", 2)))
+            if flips is not None:
+                report["routing"] = flips.to_json()
+                if flips.candidate:
+                    report.setdefault("warnings", []).append(flips.warning())
         timings["compare"] = time.perf_counter() - t0
         report.update(p.comparison.to_json())
     except TTraceError as e:

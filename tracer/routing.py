@@ -1,0 +1,80 @@
+"""Routing flips of an MoE check: for every traced router output (expert logits, [..., experts]),
+the tokens whose top-k experts differ from the reference's, in the candidate and in each perturbed
+reference, and how close to a tie the reference's routing was there.
+
+Top-k routing is a discrete decision. In BF16 an honest layout flips tokens whose k-th and
+(k+1)-th routing probabilities nearly tie, and each flip moves a whole token's contribution from one
+expert to another: the experts' tensors then differ by far more than rounding noise, and no
+tolerance estimated from R perturbed runs covers it (docs/tolerance.md, "Held-out results ... seeds
+11, 12"). A check does not judge the flips; it reports them beside a FAIL, so the user can tell a
+flip from a bug. (Routing replay, every run taking the reference's assignment, would make such
+checks sound; not built.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tracer.logical import LogicalTrace
+
+ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
+
+
+@dataclass
+class RoutingFlips:
+    top_k: int
+    routers: int                 # router outputs compared (microbatches x layers x steps)
+    tokens: int                  # tokens routed over all of them
+    candidate: int               # tokens whose top-k experts differ from the reference's
+    perturbed: list[int]         # the same count for each perturbed reference
+    largest_flip_margin: float   # the largest reference top-k margin among the candidate's flips
+    median_margin: float         # the median token's margin (k-th - (k+1)-th probability)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def warning(self) -> str:
+        return (f"routing: the candidate's top-{self.top_k} experts differ from the reference's for "
+                f"{self.candidate} of {self.tokens} routed tokens, where the reference's top-{self.top_k} "
+                f"probability margin is at most {self.largest_flip_margin:.2g} (the median token's: "
+                f"{self.median_margin:.2g}); the perturbed references flip {self.perturbed}. A flip moves a "
+                "whole token between experts: a FAIL on an expert's tensors after one can be a routing "
+                "flip rather than a bug (routing replay is not built; docs/tolerance.md)")
+
+
+def _experts(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return logits.double().topk(k, -1).indices.sort(-1).values
+
+
+def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
+                  top_k: int) -> RoutingFlips | None:
+    """The flips of every router output the runs traced (LogicalTraces); None if they traced none."""
+    names = [n for n in reference.order if reference.info[n]["kind"] == "output"
+             and reference.info[n].get("module_type") in ROUTER_TYPES]
+    if not names:
+        return None
+    tokens = cand = 0
+    pert = [0] * len(perturbed)
+    flip_margins: list[torch.Tensor] = []
+    margins: list[torch.Tensor] = []
+    for name in names:
+        r = reference.tensors[name].tensor
+        want = _experts(r, top_k)
+        flipped = (_experts(candidate.tensors[name].tensor, top_k) != want).any(-1)
+        for i, p in enumerate(perturbed):
+            pert[i] += int((_experts(p.tensors[name].tensor, top_k) != want).any(-1).sum())
+        probs = r.double().softmax(-1).sort(-1, descending=True).values
+        # no (k+1)-th expert: nothing to flip to, an infinite margin
+        margin = (probs[..., top_k - 1] - probs[..., top_k] if probs.shape[-1] > top_k
+                  else torch.full_like(probs[..., 0], float("inf")))
+        margins.append(margin.reshape(-1))
+        flip_margins.append(margin[flipped].reshape(-1))
+        tokens += flipped.numel()
+        cand += int(flipped.sum())
+    flips = torch.cat(flip_margins)
+    return RoutingFlips(top_k, len(names), tokens, cand, pert,
+                        float(flips.max()) if flips.numel() else 0.0, float(torch.cat(margins).median()))
