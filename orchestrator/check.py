@@ -134,7 +134,7 @@ def _judge(p: PlannedCheck) -> None:
                 f"{p.rec['reference']['micro_batch']}, the candidate into {p.rec['data']['micro_batch']}")
         p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step)
         p.loaded = (reference, perturbed)
-        if p.comparison.verdict == "fail":   # an MoE FAIL says how many tokens changed experts
+        if p.comparison.verdict == "fail" and not per_step:   # an MoE FAIL: tokens that changed experts
             flips = routing_flips(reference, candidate, perturbed, int(p.rec["model"].get("top_k", 2)))
             if flips is not None:
                 report["routing"] = flips.to_json()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tracer.errors import TraceError
 from tracer.logical import LogicalTrace
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
@@ -52,29 +53,38 @@ def _experts(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
                   top_k: int) -> RoutingFlips | None:
-    """The flips of every router output the runs traced (LogicalTraces); None if they traced none."""
-    names = [n for n in reference.order if reference.info[n]["kind"] == "output"
-             and reference.info[n].get("module_type") in ROUTER_TYPES]
-    if not names:
-        return None
-    tokens = cand = 0
+    """The flips of every router output the runs traced (LogicalTraces); None if they traced none. A
+    diagnosis beside a verdict, never part of it: a router output the runs disagree on in shape (the
+    verdict names it) or cannot reassemble is left out."""
+    routers = tokens = cand = 0
     pert = [0] * len(perturbed)
     flip_margins: list[torch.Tensor] = []
     margins: list[torch.Tensor] = []
-    for name in names:
-        r = reference.tensors[name].tensor
+    for name in reference.order:
+        info = reference.info[name]
+        if info["kind"] != "output" or info.get("module_type") not in ROUTER_TYPES:
+            continue
+        try:
+            r, c, *ps = (run.tensors[name].tensor for run in (reference, candidate, *perturbed))
+        except (TraceError, KeyError):
+            continue
+        if any(x.shape != r.shape for x in (c, *ps)):
+            continue
         want = _experts(r, top_k)
-        flipped = (_experts(candidate.tensors[name].tensor, top_k) != want).any(-1)
-        for i, p in enumerate(perturbed):
-            pert[i] += int((_experts(p.tensors[name].tensor, top_k) != want).any(-1).sum())
+        flipped = (_experts(c, top_k) != want).any(-1)
+        for i, p in enumerate(ps):
+            pert[i] += int((_experts(p, top_k) != want).any(-1).sum())
         probs = r.double().softmax(-1).sort(-1, descending=True).values
         # no (k+1)-th expert: nothing to flip to, an infinite margin
         margin = (probs[..., top_k - 1] - probs[..., top_k] if probs.shape[-1] > top_k
                   else torch.full_like(probs[..., 0], float("inf")))
         margins.append(margin.reshape(-1))
         flip_margins.append(margin[flipped].reshape(-1))
+        routers += 1
         tokens += flipped.numel()
         cand += int(flipped.sum())
+    if not routers:
+        return None
     flips = torch.cat(flip_margins)
-    return RoutingFlips(top_k, len(names), tokens, cand, pert,
+    return RoutingFlips(top_k, routers, tokens, cand, pert,
                         float(flips.max()) if flips.numel() else 0.0, float(torch.cat(margins).median()))

@@ -50,3 +50,9 @@ def test_runs_without_a_router_have_no_routing_figures(tmp_path):
     _run(tmp_path, "reference", LOGITS, module_type="Linear")
     ref = _load(tmp_path, "reference")
     assert routing_flips(ref, ref, [], top_k=2) is None
+
+
+def test_a_router_output_of_another_shape_is_left_to_the_verdict(tmp_path):
+    _run(tmp_path, "reference", LOGITS)
+    _run(tmp_path, "candidate", LOGITS[:3])   # a token lost: the verdict names it, no flips counted
+    assert routing_flips(_load(tmp_path, "reference"), _load(tmp_path, "candidate"), [], top_k=2) is None
