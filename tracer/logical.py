@@ -160,6 +160,12 @@ class StoredTensors(Mapping[str, Assembled]):
             layout = self._layouts[name] = Layout.from_json(self.info[name]["layout"])
         return assemble(name, layout, pieces, self.sizes)
 
+    def release(self) -> None:
+        """Drop every part held. A lookup after the walk holds its part until then (the count of a
+        part's lookups is per walk); later lookups read the parts again."""
+        self._parts.clear()
+        self._left.clear()
+
     def _part(self, rt: RankTrace, part: tuple[int, str]) -> dict[str, torch.Tensor]:
         if part not in self._parts:
             self._fetch(rt, part)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
-from tracer.logical import LogicalTrace
+from tracer.logical import LogicalTrace, StoredTensors
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
 
@@ -83,6 +83,9 @@ def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
         routers += 1
         tokens += flipped.numel()
         cand += int(flipped.sum())
+    for run in (reference, candidate, *perturbed):   # the parts these lookups read: not kept
+        if isinstance(run.tensors, StoredTensors):
+            run.tensors.release()
     if not routers:
         return None
     flips = torch.cat(flip_margins)
