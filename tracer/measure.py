@@ -148,6 +148,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
     r, c = blocks.flat(reference, names, dtype), blocks.flat(candidate, names, dtype)
     ps = [blocks.flat(p, names, dtype) for p in perturbed]
     d_full = [p - r for p in ps]
+    dc_full = c - r   # once: for the figures, the excusal and the row-column metric
     a_full = [d.abs() for d in d_full]
     env_full = max_rows(a_full) if ps else torch.zeros_like(r)
 
@@ -161,7 +162,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
         flat = lambda x: x.view(-1)
-        diff_full = flat((c - r).abs())
+        diff_full = flat(dc_full.abs())
         env_flat = flat(env_full)
         loo_full = [flat(x) for x in leave_one_out(a_full)] if len(ps) > 1 else []
         tiny = torch.finfo(dtype).tiny
@@ -208,7 +209,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
         d, a, env = d_full, a_full, env_full
 
     rj = keep(r)
-    dc = keep(c - r)
+    dc = keep(dc_full)
     adc = dc.abs()
     units = torch.tensor([k.unit for k in chunk], dtype=torch.float64)
 
@@ -280,10 +281,10 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
             near_zero &= ~((rv == 0) & (e == 0))
             excusal.add(k.path, near_zero)
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
-            excusal.grad_dev[k.path] = ((c.view(-1)[sl] - rv).abs(), e.clone())
+            excusal.grad_dev[k.path] = (dc_full.view(-1)[sl].abs(), e.clone())
 
-    rc_err, rc_noise = rowcol_figures([k.rowcol for k in chunk], [k.unit for k in chunk], blocks, r, c,
-                                      d_full)
+    rc_err, rc_noise = rowcol_figures([k.rowcol for k in chunk], [k.unit for k in chunk], blocks, r,
+                                      dc_full, d_full)
     bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
     moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,

@@ -47,10 +47,10 @@ def _figures(rv: torch.Tensor, x: torch.Tensor, u: float) -> torch.Tensor:
 
 
 def rowcol_figures(shapes: Sequence[tuple[int, int] | None], units: Sequence[float], blocks: Blocks,
-                   r: torch.Tensor, c: torch.Tensor,
+                   r: torch.Tensor, dc: torch.Tensor,
                    d: Sequence[torch.Tensor]) -> tuple[list[float], list[float]]:
-    """(rowcol_err, rowcol_noise) per tensor of the chunk: r, c the chunk's reference and candidate,
-    d the perturbed runs' deviations p - r (all (blocks, BLOCK)); 0 where a tensor is not judged
+    """(rowcol_err, rowcol_noise) per tensor of the chunk: r the chunk's reference, dc the candidate's
+    deviation c - r, d the perturbed runs' p - r (all (blocks, BLOCK)); 0 where a tensor is not judged
     (and the noise 0 with fewer than 2 runs: no leave-one-out draw)."""
     n = len(shapes)
     err, noise = [0.0] * n, [0.0] * n
@@ -62,7 +62,7 @@ def rowcol_figures(shapes: Sequence[tuple[int, int] | None], units: Sequence[flo
             groups.setdefault((rc, units[i]), []).append(i)
     if not groups:
         return err, noise
-    devs = [(c - r).view(-1), *(x.view(-1) for x in d)]
+    devs = [dc.view(-1), *(x.view(-1) for x in d)]
     flat = r.view(-1)
     for (rc, u), idx in groups.items():
         # one copy each of the group's references and deviations, laid out (G, 1 + R, rows, columns)
