@@ -277,8 +277,8 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
             e = env_full.view(-1)[sl]
             rv = r.view(-1)[sl]
             near_zero = rv.abs() <= excusal.k * (e + (noise[i].item() + k.unit) * rms[i].item())
-            # A gradient exactly zero in every run gives a deterministic (zero) update: never excused.
-            near_zero &= ~((rv == 0) & (e == 0))
+            # Zero in every run, the candidate too: a deterministic (zero) update, never excused.
+            near_zero &= ~((rv == 0) & (e == 0) & (dc_full.view(-1)[sl] == 0))
             excusal.add(k.path, near_zero)
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = (dc_full.view(-1)[sl].abs(), e.clone())

@@ -91,7 +91,7 @@ def _oracle(keys, ref, cand, perts):
         if k.kind == "param_grad" and ps and r.numel():
             env = torch.stack([(p - r).abs() for p in ps]).amax(0)
             near = r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt())
-            add(k.path, near & ~((r == 0) & (env == 0)))   # exact zeros in every run: never excused
+            add(k.path, near & ~((r == 0) & (env == 0) & (c == r)))   # exact zeros in every run: judged
             grad_dev[k.path] = ((c - r).abs(), env)
     return out
 
@@ -119,6 +119,8 @@ def _traces(n_perturbed: int):
     for run in (ref, cand, *perts):   # gradient elements exactly zero in every run: never excused
         for step in range(2):
             run[f"{step}/-/w/param_grad"][3::11] = 0.0
+    # ... except where the candidate's is not (an exact cancellation its rounding missed: within noise)
+    cand["0/-/w/param_grad"][3:300:22] = 1e-12
     cand["0/0/e/output"][1, 5] = float("nan")        # counted, and kept out of the other figures
     cand["0/0/big/output"][7, 3] += 1.0              # one corrupted element
     excused = [i for i in range(0, 300, 7) if (i - 3) % 11]   # near-zero grads, not exact zeros
@@ -143,8 +145,11 @@ def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_ele
         assert got["1/-/w/param"].excused > 0 and got["1/-/w/param"].rel_err < 1e-3
         assert got["1/-/w/param"].excused_dev == pytest.approx(0.5, rel=1e-3)   # ... but stays measured
         assert got["1/-/w/param"].beyond > 4 * (got["1/-/w/param"].beyond_noise + 1)
-        # Gradients exactly zero in every run (every 11th element) give a deterministic update: judged.
-        assert got["0/-/w/param"].excused <= 300 - len(range(3, 300, 11))
+        # Gradients exactly zero in every run (every 11th element) give a deterministic update: judged;
+        # where the candidate's is not zero (every 22nd), its update is its own rounding's: excused.
+        zeros, cand_moved = set(range(3, 300, 11)), set(range(3, 300, 22))
+        assert got["0/-/w/param"].excused <= 300 - len(zeros - cand_moved)
+        assert got["0/-/w/param"].excused >= len(cand_moved)
         assert got["0/0/big/output"].elem_err > 1e3
         if n_perturbed > 1:
             assert got["0/0/big/output"].rowcol_err > 1e3 > got["0/0/rc/output"].rowcol_err > 0
