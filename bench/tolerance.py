@@ -135,10 +135,14 @@ def run_matrix(store: Path, combos: list[tuple[str, str, int, tuple[str, ...]]],
                 prec_rec = recipe.compose(base + [f"parallel={par}"])
                 runs.append((f"cand-{par}", dict(parallel=prec_rec["parallel"], role="candidate"),
                              int(prec_rec["parallel"]["world_size"])))
+            reference = None   # the reference job of this batch (routing replay waits for it)
             for run, kw, world in runs:
                 if not _complete(url, run, world):
                     spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
                     jobs.append(cluster.Job(f"{Path(url).name}.{run}", spec, world))
+                    reference = jobs[-1] if run == "reference" else reference
+                    if spec["trace"]["routing_replay"]:   # orchestrator/routing.py order_jobs, by hand
+                        spec["trace"]["reference"], jobs[-1].after = f"{url}/reference", reference
         if not jobs:
             break
         cluster.ensure_ray(recipe.compose([])["cluster"])

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, inputs, layouts, recipe, storage
+from orchestrator import cluster, inputs, layouts, recipe, routing, storage
 from orchestrator.isolation_pass import isolate, wants_isolation
 from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.progress import JobProgress
@@ -40,6 +40,7 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     plans = [_plan(rec, out, base_dir) for rec, out in items]
     live = [p for p in plans if p.error is None]
     refsets = share_references(live, base_dir)
+    routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
     tracked = [p.rec["tracking"] for p in live if p.rec.get("tracking", {}).get("enabled", False)]
     warming = None
@@ -115,6 +116,9 @@ def _judge(p: PlannedCheck) -> None:
                                **layouts.report(p.rec["parallel"], layouts.reference_layout(p.rec))}
         if rs.why_off:
             report["reference"]["not_stored_for_reuse"] = rs.why_off
+        replay = bool(p.candidate.spec["trace"].get("routing_replay"))
+        if replay:   # orchestrator/routing.py
+            report["reference"]["routing"] = "replay"
         timings["jobs"] = {j.name: j.seconds for j in ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]}
         keep_logs(p, ([] if rs.cache == "hit" else rs.jobs) + [p.candidate])
         failed = [e for e in (rs.error, p.candidate.error) if e]
@@ -137,8 +141,8 @@ def _judge(p: PlannedCheck) -> None:
         if p.comparison.verdict == "fail" and not per_step:   # an MoE FAIL: tokens that changed experts
             flips = routing_flips(reference, candidate, perturbed, int(p.rec["model"].get("top_k", 2)))
             if flips is not None:
-                report["routing"] = flips.to_json()
-                if flips.candidate:
+                report["routing"] = dict(flips.to_json(), replayed=replay)
+                if flips.candidate and not replay:   # replayed: the flips did not change the experts
                     report.setdefault("warnings", []).append(flips.warning())
         timings["compare"] = time.perf_counter() - t0
         report.update(p.comparison.to_json())

@@ -80,6 +80,7 @@ class Job:
     error_dir: Path | None = None       # per-job override of run_jobs(error_dir=...)
     state: str = "queued"               # queued | running | done | failed
     relaunches: int = 0                 # rendezvous port lost to another process, job started again
+    after: Job | None = None            # starts once this job is done (routing replay reads its trace)
 
 
 def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_dir: Path,
@@ -97,6 +98,8 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
             raise ConfigError(f"job '{job.name}' needs {job.world_size} ranks x {cpus_per_rank} CPUs but "
                               f"the Ray cluster has {capacity:g} CPUs; lower cluster.cpus_per_rank or join a "
                               "larger cluster (cluster.address)")
+        if job.after is not None and all(job.after is not j for j in jobs) and job.after.state != "done":
+            raise ValueError(f"job '{job.name}' waits for job '{job.after.name}', which is not run with it")
     here = node_id()
     for job in jobs:   # a rank on the driver's node writes its log where the driver will look
         if isinstance(job.spec.get("log"), dict) and not job.spec["log"].get("node"):
@@ -110,16 +113,28 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
         pg = placement_group([dict(bundle) for _ in range(job.world_size)], strategy="PACK")
         return pg, pg.ready()
 
-    running: dict[int, tuple[Job, tuple[Any, ray.ObjectRef], list[ray.ObjectRef], float | None]] = {}
+    running: dict[int, tuple[Job, tuple[Any, ray.ObjectRef] | None, list[ray.ObjectRef], float | None]] = {}
     for i, job in enumerate(jobs):
         job.state = "queued"
-        running[i] = (job, reserve(job), [], None)
+        # A job that waits for another reserves its ranks only once that one is done: its placement
+        # group would otherwise hold CPUs the job it waits for may need.
+        running[i] = (job, None if job.after is not None else reserve(job), [], None)
     notify()
     limit = lambda job: job.timeout_s if job.timeout_s is not None else timeout_s
     queue_deadline = time.monotonic() + max(limit(j) for j in jobs) * max(1, len(jobs)) if jobs else 0.0
     try:
         while running:
-            for key, (job, (pg, pg_ready), refs, started) in list(running.items()):
+            for key, (job, reservation, refs, started) in list(running.items()):
+                if reservation is None:   # waiting for job.after
+                    if job.after.state == "done":
+                        running[key] = (job, reserve(job), [], None)
+                    elif job.after.state == "failed":
+                        job.error = (f"job '{job.name}' did not start: it reads job '{job.after.name}', "
+                                     f"which failed ({job.after.error or 'no reason recorded'})")
+                        _finish(running, key)
+                        notify()
+                    continue
+                pg, pg_ready = reservation
                 if started is None:
                     ready, _ = ray.wait([pg_ready], timeout=0)
                     if ready:
@@ -242,6 +257,7 @@ def _secondary(text: str) -> bool:
 
 def _finish(running: dict[int, Any], key: int, cancel: bool = False) -> None:
     """Release the job's placement group; with `cancel`, any rank still running is killed with it."""
-    job, (pg, _), _, _ = running.pop(key)
+    job, reservation, _, _ = running.pop(key)
     job.state = "failed" if (cancel or job.error) else "done"
-    remove_placement_group(pg)
+    if reservation is not None:
+        remove_placement_group(reservation[0])

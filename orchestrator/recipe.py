@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import layouts
+from orchestrator import layouts, routing
 from orchestrator.jobs import BUILTIN_ENTRYPOINT
 from orchestrator.layouts import RECIPES, SINGLE_DEVICE  # noqa: F401  (recipe.RECIPES, recipe.SINGLE_DEVICE)
 from tracer.errors import ConfigError
@@ -113,7 +113,7 @@ def reference_key(recipe: dict[str, Any]) -> str:
     key = json.dumps({"fingerprint": fingerprint(recipe), "R": int(tol["perturbations"]),
                       "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
                       "perturbation_steps": tol.get("perturbation_steps", "first"),
-                      "code": code,
+                      "routing_replay": routing.replay(recipe), "code": code,
                       # checks of a sweep saving to different directories are different computations
                       "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -174,6 +174,8 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
                   "kinds": (recipe.get("trace") or {}).get("kinds"),   # None: every kind
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
                   "perturbation_steps": recipe["tolerance"].get("perturbation_steps", "first"),
+                  # the reference run's URL is set by the scheduler (orchestrator/refcache.py replay_after)
+                  "routing_replay": role in ("perturbed", "candidate") and routing.replay(recipe),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
@@ -222,6 +224,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     if tol.get("perturbation_steps", "first") not in ("first", "every"):
         raise ConfigError(f"tolerance.perturbation_steps={tol['perturbation_steps']}: use first (the initial "
                           "weights) or every (after every optimizer step too)")
+    routing.validate(recipe)
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
         raise ConfigError(f"tolerance.perturbation=gemm draws the rounding of GEMM results inside ttrace's "
                           f"built-in trainer only; job {job['label']!r} is perturbed by its weights "

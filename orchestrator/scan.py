@@ -92,6 +92,10 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
             raise ConfigError(f"ttrace scan sets trace.mode and trace.kinds itself (phase 1 logs "
                               f"{SCAN_KINDS} per step, phase 2 traces every kind in full); leave them at "
                               "their defaults")
+        if rec["tolerance"].get("routing") == "replay":
+            raise ConfigError("tolerance.routing=replay: ttrace scan does not replay routing (its phase 1 "
+                              "logs no router outputs to take the experts from); set tolerance.routing=own "
+                              "or auto")
         if (rec.get("checkpoint") or {}).get("save"):
             raise ConfigError("checkpoint.save: ttrace scan saves the reference's state itself (phase 2); "
                               "run a check with checkpoint.save to keep a final state")

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer.errors import TraceError
 from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
+from tracer.routing import ROUTER_TYPES, hand_on
 from tracer.writer import TraceWriter
 
 _PARAM_KINDS = frozenset(("param_grad", "param"))
@@ -62,6 +64,7 @@ class Tracer:
         self._params: dict[str, tuple[Layout, str]] = {}  # local param name -> (layout, module type)
         self._handles: list[Any] = []
         self._feed: Any = None   # tracer.isolation.ReferenceFeed: isolation pass (see `isolate`)
+        self._replay: Any = None  # the reference's router outputs: routing replay (see `replay_routing`)
 
     @classmethod
     def disabled(cls) -> Tracer:
@@ -95,6 +98,11 @@ class Tracer:
         grad_output), hand the REFERENCE's tensor on downstream instead (`tracer.isolation`), so every
         recorded tensor carries only the error of the code between it and the previous traced one."""
         self._feed = feed
+
+    def replay_routing(self, feed: Any) -> None:
+        """Routing replay (tracer/routing.py): hand each router's caller the reference's output for the
+        same call (`feed`: tracer.routing.reference_routing) beside the router's own."""
+        self._replay = feed
 
     def set_grad_scale(self, scale: float) -> None:
         """Factor turning this rank's activation grads into d(global loss)/d(activation).
@@ -190,6 +198,7 @@ class Tracer:
         lay, grad_lay = _layout_json(layout), _layout_json(grad_layout)
         want_out, want_grad = self.traces("output"), self.traces("grad_output")
         add = self._writer.add
+        router = module_type in ROUTER_TYPES
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             is_seq = isinstance(output, (tuple, list))
@@ -203,6 +212,8 @@ class Tracer:
                 add((f"{step}/{mb_key}/{path}/output", path, module_type, "output", step, mb, self._seq,
                      lay, 1.0), out)
                 self._seq += 1
+            if router and self._replay is not None:
+                _replay(self._replay, canonical_name(step, mb, path, "output"), layout, out)
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = feed.substitute(out, canonical_name(step, mb, path, "output"), layout)
             if out.requires_grad and (want_grad or feed is not None):
@@ -221,3 +232,12 @@ class Tracer:
                 return None
             return (out, *output[1:]) if is_seq else out
         return hook
+
+
+def _replay(feed: Any, name: str, layout: Layout, out: torch.Tensor) -> None:
+    ref = feed.local(name, layout, out)
+    if ref is None:
+        raise TraceError(f"routing replay: the reference's '{name}' does not cut to this rank's router "
+                         f"output of shape {tuple(out.shape)} by its layout {layout.to_json()}; the runs "
+                         "differ in their data or layout (or set tolerance.routing=own)")
+    hand_on(out, ref)

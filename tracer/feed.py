@@ -32,8 +32,10 @@ class _Substitute(torch.autograd.Function):
 class ReferenceFeed:
     """The reference run's logical tensors, sliced to one rank's layout on demand."""
 
-    def __init__(self, reference: LogicalTrace, coords: Mapping[str, int], sizes: Mapping[str, int]):
+    def __init__(self, reference: LogicalTrace, coords: Mapping[str, int], sizes: Mapping[str, int], *,
+                 purpose: str = "isolation pass"):
         self.reference, self.coords, self.sizes = reference, dict(coords), dict(sizes)
+        self.purpose = purpose
 
     def local(self, name: str, layout: Layout, like: torch.Tensor, *,
               scale: float = 1.0) -> torch.Tensor | None:
@@ -42,7 +44,7 @@ class ReferenceFeed:
         shape verdict), and the module hands on its own tensor."""
         got = self.reference.tensors.get(name)
         if got is None:
-            raise TraceError(f"isolation pass: the reference has no tensor '{name}' (the runs' recipes or "
+            raise TraceError(f"{self.purpose}: the reference has no tensor '{name}' (the runs' recipes or "
                              "tracing plans differ)")
         full = got.tensor * scale if scale != 1.0 else got.tensor
         try:
@@ -58,3 +60,12 @@ class ReferenceFeed:
         if ref is None:
             return computed
         return _Substitute.apply(computed, ref) if computed.requires_grad else ref
+
+
+def reference_feed(url: str, coords: Mapping[str, int], sizes: Mapping[str, int]) -> ReferenceFeed:
+    """The isolation pass's feed: every tensor of the reference run at `url` (<store>/<run>)."""
+    from tracer.logical import load_logical
+    from tracer.store import world_size_of
+
+    root, _, run = url.rstrip("/").rpartition("/")
+    return ReferenceFeed(load_logical(root, run, world_size_of(root, run)), coords, sizes)

@@ -164,13 +164,14 @@ class Session(JobInputs):
         with self._tracer.step(INITIAL_STEP):
             self._tracer.record_params(model)
         if self.role == "isolated":
-            from tracer.feed import ReferenceFeed
-            from tracer.logical import load_logical
-            from tracer.store import world_size_of
+            from tracer.feed import reference_feed
 
-            root, _, run = str(self.config.reference).rstrip("/").rpartition("/")
-            reference = load_logical(root, run, world_size_of(root, run))
-            self._tracer.isolate(ReferenceFeed(reference, self.coords, self.sizes))
+            self._tracer.isolate(reference_feed(str(self.config.reference), self.coords, self.sizes))
+        elif self.config.routing_replay:   # perturbed and candidate runs: tracer/routing.py
+            from tracer.routing import reference_routing
+
+            feed = reference_routing(str(self.config.reference), self.coords, self.sizes)
+            self._tracer.replay_routing(feed)
         return model
 
     def set_grad_scale(self, scale: float) -> None:

@@ -5,7 +5,7 @@ Environment (ttrace's launcher sets all of them; by hand, with plain torchrun, s
   TTRACE_STORE      where the trace goes (any fsspec URL)
   TTRACE_ROLE       reference | perturbed | candidate | isolated
   TTRACE_PERTURB    the perturbed run's index r = 1, 2, ... (role perturbed)
-  TTRACE_REFERENCE  URL of the reference run, <store>/reference (role isolated)
+  TTRACE_REFERENCE  URL of the reference run, <store>/reference (role isolated; routing replay)
   TTRACE_RUN        run name in the store (default: the role; perturbed-<r> for perturbed runs)
   TTRACE_SEED       seed of the consistent generator (`init_weights`)
   TTRACE_SPEC       JSON: the whole job spec from the recipe (parallel sizes, steps, seed, data,
@@ -89,6 +89,12 @@ class JobConfig:
     spec: Mapping[str, Any] = field(default_factory=dict)
 
     @property
+    def routing_replay(self) -> bool:
+        """Take the reference's top-k experts (tracer/routing.py): set by ttrace on perturbed and
+        candidate runs of a check that replays routing."""
+        return bool(self.spec.get("trace", {}).get("routing_replay"))
+
+    @property
     def traced(self) -> bool:
         return self.role != UNTRACED and bool(self.spec.get("trace", {}).get("enabled", True))
 
@@ -131,6 +137,9 @@ class JobConfig:
         if role == "isolated" and not reference:
             raise ConfigError(f"{ENV_ROLE}=isolated needs {ENV_REFERENCE}, the URL of the reference run "
                               "(<store>/reference)")
+        if trace.get("routing_replay") and not reference:
+            raise ConfigError(f"routing replay needs {ENV_REFERENCE}, the URL of the reference run whose "
+                              "router outputs this run takes its experts from")
         sizes = dict(defaults)
         seed = _first(env.get(ENV_SEED), spec.get("seed"), sizes.pop("seed", None), DEFAULT_SEED)
         steps = _first(spec.get("steps"), sizes.pop("steps", None))

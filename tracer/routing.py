@@ -7,8 +7,15 @@ Top-k routing is a discrete decision. In BF16 an honest layout flips tokens whos
 expert to another: the experts' tensors then differ by far more than rounding noise, and no
 tolerance estimated from R perturbed runs covers it (docs/tolerance.md, "Held-out results ... seeds
 11, 12"). A check does not judge the flips; it reports them beside a FAIL, so the user can tell a
-flip from a bug. (Routing replay, every run taking the reference's assignment, would make such
-checks sound; not built.)
+flip from a bug.
+
+Routing replay (tolerance.routing, orchestrator/routing.py) removes the flips: the perturbed
+references and the candidate take the reference's top-k experts. At attach (tracer/job.py) a rank
+reads the reference's router outputs (`reference_routing`); the tracer's hook on each router hands
+this rank's piece of the reference's output for the same (step, microbatch, router) to the model on
+the router's own output (`replayed`), and the model takes its top-k from it, its gates from its own
+probabilities (workloads/moe.py). The router's logits and grads are still the candidate's own and
+judged as before; what replay cannot see is a bug in the top-k choice itself (docs/tolerance.md).
 """
 
 from __future__ import annotations
@@ -20,9 +27,40 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
-from tracer.logical import LogicalTrace, StoredTensors
+from tracer.feed import ReferenceFeed
+from tracer.logical import LogicalTrace, StoredTensors, load_logical
+from tracer.store import world_size_of
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
+_REPLAYED = "_ttrace_replayed_routing"  # attribute of a router output: the reference's, this rank's piece
+
+
+def replayed(logits: torch.Tensor) -> torch.Tensor | None:
+    """Under routing replay, the reference's router output for this call (this rank's piece): take the
+    top-k experts from it. None otherwise: route on your own."""
+    return getattr(logits, _REPLAYED, None)
+
+
+def hand_on(logits: torch.Tensor, reference: torch.Tensor) -> None:
+    """The tracer's router hook: attach the reference's output to the router's own (see `replayed`)."""
+    setattr(logits, _REPLAYED, reference)
+
+
+def reference_routing(url: str, coords: dict[str, int], sizes: dict[str, int]) -> ReferenceFeed:
+    """The reference run's router outputs (and only those: the rest of its parts are not kept), cut to
+    this rank's layout on demand. `url`: <store>/<reference run>."""
+    root, _, run = url.rstrip("/").rpartition("/")
+    trace = load_logical(root, run, world_size_of(root, run), lazy=True)
+    names = [n for n in trace.order
+             if trace.info[n]["kind"] == "output" and trace.info[n].get("module_type") in ROUTER_TYPES]
+    if not names:
+        raise TraceError(f"routing replay: the reference run {url} traced no router output (a module of type "
+                         f"{', '.join(sorted(ROUTER_TYPES))}); set tolerance.routing=own")
+    kept = {n: trace.tensors[n] for n in names}
+    if isinstance(trace.tensors, StoredTensors):
+        trace.tensors.release()
+    trace.tensors = kept
+    return ReferenceFeed(trace, coords, sizes, purpose="routing replay")
 
 
 @dataclass
@@ -44,7 +82,8 @@ class RoutingFlips:
                 f"probability margin is at most {self.largest_flip_margin:.2g} (the median token's: "
                 f"{self.median_margin:.2g}); the perturbed references flip {self.perturbed}. A flip moves a "
                 "whole token between experts: a FAIL on an expert's tensors after one can be a routing "
-                "flip rather than a bug (routing replay is not built; docs/tolerance.md)")
+                "flip rather than a bug (tolerance.routing=replay takes the reference's experts; "
+                "docs/tolerance.md)")
 
 
 def _experts(logits: torch.Tensor, k: int) -> torch.Tensor:

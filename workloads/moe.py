@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tracer import routing
 from workloads.config import Config
 from workloads.layers import ColumnParallelLinear, RowParallelLinear
 from workloads.mappings import gather_from_sp_region
@@ -186,7 +187,12 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)                                         # [b, s(/tp), E]
         probs = logits.softmax(-1)
-        gates, idx = probs.topk(self.top_k, dim=-1)                     # [b, s(/tp), k]
+        replayed = routing.replayed(logits)   # routing replay: the reference's logits (tracer/routing.py)
+        if replayed is None:
+            gates, idx = probs.topk(self.top_k, dim=-1)                 # [b, s(/tp), k]
+        else:   # the reference's experts, weighted by this run's own probabilities (its grads flow)
+            idx = replayed.softmax(-1).topk(self.top_k, dim=-1).indices
+            gates = probs.gather(-1, idx)
         gates = (gates / gates.sum(-1, keepdim=True)).to(x.dtype)
         # Load balancing (Switch/GShard): E * sum_e fraction_e * mean_prob_e, over the whole sequence.
         counts = F.one_hot(idx, self.num_experts).sum((0, 1, 2)).float()

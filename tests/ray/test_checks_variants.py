@@ -1,8 +1,9 @@
 """Real Ray checks of the parallelism families whose reassembly is the most particular: VPP and CP on
-llama_tiny (one shared reference set) and MoE/EP+TP on moe_tiny pass clean, and one bug switch per
-family exits 1 naming the module the catalog says. (Every layout and bug switch of these models is
-compared with one process in test_variant_numerics.py; llama's TP/PP and tied embedding go through a
-real check in test_reference_layout.py; the whole catalog: `make bench-bugs`.)"""
+llama_tiny (one shared reference set) and MoE/EP+TP on moe_tiny (bf16: routing replayed) pass clean,
+and one bug switch per family (the MoE one under routing replay) exits 1 naming the module the catalog
+says. (Every layout and bug switch of these models is compared with one process in
+test_variant_numerics.py; llama's TP/PP and tied embedding go through a real check in
+test_reference_layout.py; the whole catalog: `make bench-bugs`.)"""
 
 import pytest
 
@@ -26,7 +27,8 @@ def results(ray_cluster, tmp_path_factory):
               "tolerance.perturbations=2", f"cluster.address={ray_cluster}"]
     items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
     items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
-    moe = ["model=moe_tiny", *common[1:]]
+    # MoE in bf16: the perturbed references and the candidate replay the reference's routing
+    moe = ["model=moe_tiny", "precision=bf16", *common[1:]]
     items += [(compose([f"parallel={p}", *moe]), work / f"clean-{p}") for p in MOE_CLEAN]
     items += [(compose([f"parallel={p}", f"bug={b}", *moe]), work / b) for b, (p, _, _) in MOE_BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
@@ -47,3 +49,8 @@ def test_bug_is_named(results, bug):
     fd = res.report["first_divergence"]
     _, module, kind = {**BUGGY, **MOE_BUGGY}[bug]
     assert (fd["module"], fd["kind"]) == (module, kind), fd
+
+
+@pytest.mark.parametrize("check", [f"clean-{p}" for p in MOE_CLEAN] + list(MOE_BUGGY))
+def test_moe_checks_in_bf16_replay_the_reference_routing(results, check):
+    assert results[check].report["reference"].get("routing") == "replay"

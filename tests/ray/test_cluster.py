@@ -71,7 +71,7 @@ def main():
     if mode == "hang":
         time.sleep(600)
     return {"pid": os.getpid(), "parent": os.getppid(), "calls": len(CALLS),
-            "torch_at_import": TORCH_AT_IMPORT}
+            "torch_at_import": TORCH_AT_IMPORT, "ended": time.time()}
 """
 
 
@@ -91,7 +91,15 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
     run_jobs([first], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
     second, dies, raises = (_probe_job("second", tmp_path), _probe_job("dies", tmp_path, "die"),
                             _probe_job("raises", tmp_path, "raise"))
-    run_jobs([second, dies, raises], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    # Jobs that wait for another (routing replay reads the reference's trace): one starts after it is
+    # done, one never starts because what it waits for failed.
+    waits, orphan = _probe_job("waits", tmp_path), _probe_job("orphan", tmp_path)
+    waits.after, orphan.after = second, raises
+    run_jobs([waits, orphan, second, dies, raises], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    assert waits.error is None and orphan.state == "failed" and not list(tmp_path.glob("orphan-*.pid"))
+    assert "did not start" in orphan.error and "'raises'" in orphan.error and "probe" in orphan.error
+    started = min((tmp_path / f"waits-{r}.pid").stat().st_mtime for r in (0, 1))
+    assert started >= max(r["ended"] for r in second.results) - 0.01, (started, second.results)
     assert first.error is None and second.error is None, (first.error, second.error)
     ranks = first.results + second.results
     assert all(r["calls"] == 1 for r in ranks), ranks           # a fresh module in every rank

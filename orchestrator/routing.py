@@ -1,0 +1,64 @@
+"""Routing replay, the orchestrator's side: which checks replay the reference's expert choice, and the
+job order that makes it possible (the rank's side: tracer/routing.py).
+
+Top-k routing is a discrete decision. In bf16 and fp8, GEMM rounding moves the router logits of
+near-tied tokens across the top-k boundary: a perturbed reference or an honest candidate then sends
+those tokens to other experts, and every expert's grads move by far more than rounding explains (the
+MoE false alarms of docs/tolerance.md). Under replay the perturbed references and the candidate take
+the reference's top-k experts for every (step, microbatch, layer) and keep every numeric difference;
+the router's logits and grads are judged as before. So they start once the reference has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from orchestrator.jobs import BUILTIN_ENTRYPOINT
+from tracer.errors import ConfigError
+
+MODES = ("auto", "replay", "own")
+
+
+def replay(recipe: dict[str, Any]) -> bool:
+    """Does the check replay the reference's routing (tolerance.routing)? `auto`: for the built-in
+    trainer's MoE models in bf16 and fp8 traced in full. In fp32 nothing flips (measured on seeds
+    8-12), and a check keeps judging the candidate's own choice of experts."""
+    mode = recipe["tolerance"].get("routing", "auto")
+    if mode != "auto":
+        return mode == "replay"
+    job, trace = recipe.get("job") or {}, recipe.get("trace") or {}
+    builtin = not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
+    moe = int(recipe["model"].get("experts") or 0) > 0   # (recipe.job_of: neither set is the built-in)
+    return builtin and moe and recipe["precision"].get("name") in ("bf16", "fp8") and _traces_outputs(trace)
+
+
+def validate(recipe: dict[str, Any]) -> None:
+    mode = recipe["tolerance"].get("routing", "auto")
+    if mode not in MODES:
+        raise ConfigError(f"tolerance.routing={mode!r}: use auto, replay (the perturbed references and the "
+                          "candidate take the reference's top-k experts) or own")
+    if mode == "replay" and not _traces_outputs(recipe.get("trace") or {}):
+        raise ConfigError("tolerance.routing=replay reads the router outputs of the reference's trace, which "
+                          "trace.mode=stats or a trace.kinds without 'output' does not keep; trace in full "
+                          "or set tolerance.routing=own")
+
+
+def _traces_outputs(trace: dict[str, Any]) -> bool:
+    kinds = trace.get("kinds")
+    return (trace.get("mode") or "full") == "full" and (kinds is None or "output" in kinds)
+
+
+def order_jobs(checks: Iterable[Any]) -> None:
+    """For every check that replays: its perturbed references and candidate read the reference run
+    (trace.reference) and start after it. `checks`: planned checks (orchestrator.outcome.PlannedCheck)
+    with their reference sets attached. A cached reference is already complete: nothing waits."""
+    for p in checks:
+        rs = p.refs
+        if rs is None or p.candidate is None or not p.candidate.spec["trace"].get("routing_replay"):
+            continue
+        url = f"{rs.url}/reference"
+        computing = rs.jobs[0] if rs.cache != "hit" else None
+        for job in [*rs.jobs[1:], p.candidate]:
+            job.spec["trace"]["reference"] = url
+            job.after = computing
