@@ -139,3 +139,10 @@ def report(candidate: Mapping[str, Any], reference: Mapping[str, Any]) -> dict[s
     return {"parallel": {"name": reference.get("name"), "world_size": int(reference.get("world_size", 1)),
                          "sizes": sizes(reference)},
             "trusted": trusted(candidate, reference)}
+
+
+def microbatches_differ(recipe: dict[str, Any]) -> bool:
+    """Does the reference cut the global batch into other microbatches than the candidate? Then only
+    the per-step tensors (param_grad, param) have counterparts to compare."""
+    mb = (recipe.get("reference") or {}).get("micro_batch")
+    return mb is not None and int(mb) != int(recipe["data"]["micro_batch"])

@@ -18,7 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import layouts, routing
 from orchestrator.jobs import BUILTIN_ENTRYPOINT
-from orchestrator.layouts import RECIPES, SINGLE_DEVICE  # noqa: F401  (recipe.RECIPES, recipe.SINGLE_DEVICE)
+from orchestrator.layouts import (  # noqa: F401  (recipe.RECIPES, ...)
+    RECIPES,
+    SINGLE_DEVICE,
+    microbatches_differ,
+)
 from tracer.errors import ConfigError
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
@@ -117,13 +121,6 @@ def reference_key(recipe: dict[str, Any]) -> str:
                       # checks of a sweep saving to different directories are different computations
                       "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
-
-
-def microbatches_differ(recipe: dict[str, Any]) -> bool:
-    """Does the reference cut the global batch into other microbatches than the candidate? Then only
-    the per-step tensors (param_grad, param) have counterparts to compare."""
-    mb = (recipe.get("reference") or {}).get("micro_batch")
-    return mb is not None and int(mb) != int(recipe["data"]["micro_batch"])
 
 
 def cacheable(recipe: dict[str, Any]) -> str | None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from orchestrator.jobs import BUILTIN_ENTRYPOINT
+from orchestrator.layouts import microbatches_differ
 from tracer.errors import ConfigError
 
 MODES = ("auto", "replay", "own")
@@ -22,11 +23,14 @@ MODES = ("auto", "replay", "own")
 
 def replay(recipe: dict[str, Any]) -> bool:
     """Does the check replay the reference's routing (tolerance.routing)? `auto`: for the built-in
-    trainer's MoE models in bf16 and fp8 traced in full. In fp32 nothing flips (measured on seeds
-    8-12), and a check keeps judging the candidate's own choice of experts."""
+    trainer's MoE models in bf16 and fp8 traced in full, whose reference cuts the same microbatches.
+    In fp32 nothing flips (measured on seeds 8-12), and a check keeps judging the candidate's own
+    choice of experts."""
     mode = recipe["tolerance"].get("routing", "auto")
     if mode != "auto":
         return mode == "replay"
+    if microbatches_differ(recipe):
+        return False
     job, trace = recipe.get("job") or {}, recipe.get("trace") or {}
     builtin = not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
     moe = int(recipe["model"].get("experts") or 0) > 0   # (recipe.job_of: neither set is the built-in)
@@ -42,6 +46,10 @@ def validate(recipe: dict[str, Any]) -> None:
         raise ConfigError("tolerance.routing=replay reads the router outputs of the reference's trace, which "
                           "trace.mode=stats or a trace.kinds without 'output' does not keep; trace in full "
                           "or set tolerance.routing=own")
+    if mode == "replay" and microbatches_differ(recipe):
+        raise ConfigError("tolerance.routing=replay takes each microbatch's experts from the reference's "
+                          "same microbatch, but reference.micro_batch cuts the batch differently; leave "
+                          "reference.micro_batch unset or set tolerance.routing=own")
 
 
 def _traces_outputs(trace: dict[str, Any]) -> bool:

@@ -103,6 +103,7 @@ def test_which_checks_replay_routing():
     assert not routing.replay(recipe.compose(["precision=bf16"]))           # no experts
     assert not routing.replay(recipe.compose([*moe, "precision=bf16", "tolerance.routing=own"]))
     assert not routing.replay(recipe.compose([*moe, "precision=bf16", "trace.mode=stats"]))
+    assert not routing.replay(recipe.compose([*moe, "precision=bf16", "reference.micro_batch=8"]))
     assert routing.replay(recipe.compose([*moe, "tolerance.routing=replay"]))
     rec = recipe.compose([*moe, "precision=bf16"])
     own = recipe.compose([*moe, "precision=bf16", "tolerance.routing=own"])
@@ -111,7 +112,8 @@ def test_which_checks_replay_routing():
     assert spec("candidate") and spec("perturbed", perturb=1)
     assert not spec("reference") and not spec("isolated")   # the isolated run is fed the reference anyway
     for bad, match in (("tolerance.routing=sometimes", "use auto, replay"),
-                       ("tolerance.routing=replay trace.mode=stats", "trace in full")):
+                       ("tolerance.routing=replay trace.mode=stats", "trace in full"),
+                       ("tolerance.routing=replay reference.micro_batch=8", "cuts the batch differently")):
         with pytest.raises(ConfigError, match=match):
             recipe.validate(recipe.compose([*moe, *bad.split()]))
 
