@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -64,5 +64,7 @@ class Comparison:
                 "name": fd.name, "module": fd.module, "module_type": fd.module_type, "kind": fd.kind,
                 "rel_err": fd.rel_err, "tolerance": fd.tolerance, "reason": fd.reason,
             },
-            "tensors": [asdict(r) for r in self.results],
+            # a shallow copy: every field is a scalar or a string (asdict's deep copy took 0.18 s of a
+            # demo check's 850 results)
+            "tensors": [dict(vars(r)) for r in self.results],
         }
