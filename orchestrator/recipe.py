@@ -171,7 +171,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
                   "kinds": (recipe.get("trace") or {}).get("kinds"),   # None: every kind
                   "perturbation": recipe["tolerance"].get("perturbation", "auto"),
                   "perturbation_steps": recipe["tolerance"].get("perturbation_steps", "first"),
-                  # the reference run's URL is set by the scheduler (orchestrator/refcache.py replay_after)
+                  # the reference run's URL is set when jobs are ordered (orchestrator/routing.py)
                   "routing_replay": role in ("perturbed", "candidate") and routing.replay(recipe),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials

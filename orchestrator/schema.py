@@ -157,7 +157,7 @@ class Tolerance:
     k_rowcol: float = 4.0            # elementwise under the row-column noise model (0: off)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
-    routing: str = "auto"            # auto | replay | own: MoE expert choice (recipe.routing_replay)
+    routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)
 
 
 @dataclass

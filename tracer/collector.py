@@ -213,7 +213,7 @@ class Tracer:
                      lay, 1.0), out)
                 self._seq += 1
             if router and self._replay is not None:
-                _replay(self._replay, canonical_name(step, mb, path, "output"), layout, out)
+                _hand_on_reference(self._replay, canonical_name(step, mb, path, "output"), layout, out)
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = feed.substitute(out, canonical_name(step, mb, path, "output"), layout)
             if out.requires_grad and (want_grad or feed is not None):
@@ -234,7 +234,7 @@ class Tracer:
         return hook
 
 
-def _replay(feed: Any, name: str, layout: Layout, out: torch.Tensor) -> None:
+def _hand_on_reference(feed: Any, name: str, layout: Layout, out: torch.Tensor) -> None:
     ref = feed.local(name, layout, out)
     if ref is None:
         raise TraceError(f"routing replay: the reference's '{name}' does not cut to this rank's router "

@@ -13,7 +13,8 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.layouts import Layout
-from tracer.logical import LogicalTrace
+from tracer.logical import LogicalTrace, load_logical
+from tracer.store import world_size_of
 
 
 class _Substitute(torch.autograd.Function):
@@ -62,10 +63,12 @@ class ReferenceFeed:
         return _Substitute.apply(computed, ref) if computed.requires_grad else ref
 
 
+def load_run(url: str, *, lazy: bool = False) -> LogicalTrace:
+    """A stored run by its URL (<store>/<run>), all its ranks."""
+    root, _, run = url.rstrip("/").rpartition("/")
+    return load_logical(root, run, world_size_of(root, run), lazy=lazy)
+
+
 def reference_feed(url: str, coords: Mapping[str, int], sizes: Mapping[str, int]) -> ReferenceFeed:
     """The isolation pass's feed: every tensor of the reference run at `url` (<store>/<run>)."""
-    from tracer.logical import load_logical
-    from tracer.store import world_size_of
-
-    root, _, run = url.rstrip("/").rpartition("/")
-    return ReferenceFeed(load_logical(root, run, world_size_of(root, run)), coords, sizes)
+    return ReferenceFeed(load_run(url), coords, sizes)

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
-from tracer.feed import ReferenceFeed
-from tracer.logical import LogicalTrace, StoredTensors, load_logical
-from tracer.store import world_size_of
+from tracer.feed import ReferenceFeed, load_run
+from tracer.logical import LogicalTrace, StoredTensors
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
 _REPLAYED = "_ttrace_replayed_routing"  # attribute of a router output: the reference's, this rank's piece
@@ -49,8 +48,7 @@ def hand_on(logits: torch.Tensor, reference: torch.Tensor) -> None:
 def reference_routing(url: str, coords: dict[str, int], sizes: dict[str, int]) -> ReferenceFeed:
     """The reference run's router outputs (and only those: the rest of its parts are not kept), cut to
     this rank's layout on demand. `url`: <store>/<reference run>."""
-    root, _, run = url.rstrip("/").rpartition("/")
-    trace = load_logical(root, run, world_size_of(root, run), lazy=True)
+    trace = load_run(url, lazy=True)
     names = [n for n in trace.order
              if trace.info[n]["kind"] == "output" and trace.info[n].get("module_type") in ROUTER_TYPES]
     if not names:
