@@ -242,7 +242,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             noise=st.noise, max_noise=st.max_noise,
             analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
             elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
-            elem_tolerance=policy.elem_tolerance([e_noise]),
+            elem_tolerance=policy.elem_tolerance([e_noise], key.numel),
             rowcol_err=_finite(st.rowcol_err), rowcol_noise=st.rowcol_noise,
             rowcol_tolerance=policy.rowcol_tolerance([rc_noise], key.rowcol),
             scale_err=_finite(st.scale_err),

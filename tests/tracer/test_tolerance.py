@@ -115,6 +115,7 @@ def test_policy_floors_config_and_analytic_bound():
     assert (p.k, p.floor_ulps, p.k_elem, p.floor_elem) == (3.0, 8.0, 5.0, 2.0)
     assert p.tolerance([0.0], "bfloat16") == 8 * 2.0**-8
     assert p.elem_tolerance([0.1]) == 2.0 and p.elem_tolerance([1.0]) == 5.0
+    assert p.elem_tolerance([0.1], numel=1) == math.inf   # a scalar: its norm-wise verdict is its element's
     # Megatron-CI style bound: the compute precision's eps, never finer than the tensor's dtype.
     assert p.analytic_bound(0, "float32", "bf16") == 3 * compute_roundoff("bf16")
     assert p.analytic_bound(2, "float32", "fp32") == pytest.approx(3 * 1.03**2 * 2.0**-24)

@@ -218,3 +218,22 @@ def test_one_element_of_median_size_fails_in_bf16_by_its_row_and_column_noise(ad
         assert res.verdict == "fail" and fd.name == name and "row's and column's noise" in fd.reason, fd
         assert fd.rel_err < fd.tolerance and fd.elem_err < fd.elem_tolerance   # the other metrics pass it
         assert compare(ref, cand, pert, TolerancePolicy(k_rowcol=0.0)).verdict == "pass"
+
+
+def test_a_scalar_is_judged_by_its_norm_not_its_microbatchs_envelope(tmp_path):
+    """A microbatch's loss is one element: its norm-wise error is that element's, judged against the
+    noise of every microbatch of the step (here the 16-ulp floor). Its elementwise scale, this
+    microbatch's envelope alone, is not a second verdict: where the perturbed runs happened to leave
+    the loss in place it reads an honest move as many noise scales (a bf16 MoE loss: 4.42). 0.9 of the
+    norm-wise tolerance passes (7.2 noise scales), twice fails."""
+    ref, cand, pert = _runs(tmp_path)
+    name = next(n for n in ref.order if ref.info[n]["kind"] == "loss")
+    for p in pert:   # no perturbed run moved this loss
+        p.tensors[name].tensor.copy_(ref.tensors[name].tensor)
+    base = ref.tensors[name].tensor.double()
+    tol = TolerancePolicy().tolerance([0.0], "float32")
+    for factor, ok in ((0.9, True), (2.0, False)):
+        cand.tensors[name].tensor.copy_(base * (1 + factor * tol))
+        r = next(x for x in compare(ref, cand, pert, TolerancePolicy()).results if x.name == name)
+        assert r.tolerance == tol and r.elem_err > 4, r
+        assert r.ok == ok and (ok or r.reason.startswith("rel_err")), r
