@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cluster, recipe  # noqa: E402
+from orchestrator import cluster, recipe, routing  # noqa: E402
 from tracer.compare import compare  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
@@ -141,8 +141,8 @@ def run_matrix(store: Path, combos: list[tuple[str, str, int, tuple[str, ...]]],
                     spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
                     jobs.append(cluster.Job(f"{Path(url).name}.{run}", spec, world))
                     reference = jobs[-1] if run == "reference" else reference
-                    if spec["trace"]["routing_replay"]:   # orchestrator/routing.py order_jobs, by hand
-                        spec["trace"]["reference"], jobs[-1].after = f"{url}/reference", reference
+                    if spec["trace"]["routing_replay"]:
+                        routing.wait_for_reference(jobs[-1], f"{url}/reference", reference)
         if not jobs:
             break
         cluster.ensure_ray(recipe.compose([])["cluster"])

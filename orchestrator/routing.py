@@ -65,8 +65,13 @@ def order_jobs(checks: Iterable[Any]) -> None:
         rs = p.refs
         if rs is None or p.candidate is None or not p.candidate.spec["trace"].get("routing_replay"):
             continue
-        url = f"{rs.url}/reference"
         computing = rs.jobs[0] if rs.cache != "hit" else None
         for job in [*rs.jobs[1:], p.candidate]:
-            job.spec["trace"]["reference"] = url
-            job.after = computing
+            wait_for_reference(job, f"{rs.url}/reference", computing)
+
+
+def wait_for_reference(job: Any, url: str, reference: Any | None) -> None:
+    """A replaying job (cluster.Job whose spec has trace.routing_replay) reads the reference run at
+    `url` and starts after `reference`, its job (None: that run is complete already)."""
+    job.spec["trace"]["reference"] = url
+    job.after = reference

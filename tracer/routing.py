@@ -49,14 +49,12 @@ def reference_routing(url: str, coords: dict[str, int], sizes: dict[str, int]) -
     """The reference run's router outputs (and only those: the rest of its parts are not kept), cut to
     this rank's layout on demand. `url`: <store>/<reference run>."""
     trace = load_run(url, lazy=True)
-    names = [n for n in trace.order
-             if trace.info[n]["kind"] == "output" and trace.info[n].get("module_type") in ROUTER_TYPES]
+    names = _router_outputs(trace)
     if not names:
         raise TraceError(f"routing replay: the reference run {url} traced no router output (a module of type "
                          f"{', '.join(sorted(ROUTER_TYPES))}); set tolerance.routing=own")
     kept = {n: trace.tensors[n] for n in names}
-    if isinstance(trace.tensors, StoredTensors):
-        trace.tensors.release()
+    _release(trace)
     trace.tensors = kept
     return ReferenceFeed(trace, coords, sizes, purpose="routing replay")
 
@@ -84,6 +82,19 @@ class RoutingFlips:
                 "docs/tolerance.md)")
 
 
+def _router_outputs(trace: LogicalTrace) -> list[str]:
+    """The router outputs a run traced, in execution order."""
+    return [n for n in trace.order
+            if trace.info[n]["kind"] == "output" and trace.info[n].get("module_type") in ROUTER_TYPES]
+
+
+def _release(*runs: LogicalTrace) -> None:
+    """Drop the parts lookups outside a comparison's walk left held (StoredTensors.release)."""
+    for run in runs:
+        if isinstance(run.tensors, StoredTensors):
+            run.tensors.release()
+
+
 def _experts(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.double().topk(k, -1).indices.sort(-1).values
 
@@ -97,10 +108,7 @@ def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
     pert = [0] * len(perturbed)
     flip_margins: list[torch.Tensor] = []
     margins: list[torch.Tensor] = []
-    for name in reference.order:
-        info = reference.info[name]
-        if info["kind"] != "output" or info.get("module_type") not in ROUTER_TYPES:
-            continue
+    for name in _router_outputs(reference):
         try:
             r, c, *ps = (run.tensors[name].tensor for run in (reference, candidate, *perturbed))
         except (TraceError, KeyError):
@@ -120,9 +128,7 @@ def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
         routers += 1
         tokens += flipped.numel()
         cand += int(flipped.sum())
-    for run in (reference, candidate, *perturbed):   # the parts these lookups read: not kept
-        if isinstance(run.tensors, StoredTensors):
-            run.tensors.release()
+    _release(reference, candidate, *perturbed)   # the parts these lookups read: not kept
     if not routers:
         return None
     flips = torch.cat(flip_margins)
