@@ -142,7 +142,7 @@ def run_matrix(store: Path, combos: list[tuple[str, str, int, tuple[str, ...]]],
                     spec = recipe.job_spec(kw.pop("_rec", rec), run=run, store_url=url, **kw)
                     jobs.append(cluster.Job(f"{Path(url).name}.{run}", spec, world))
                     reference = jobs[-1] if run == "reference" else reference
-                    if spec["trace"]["routing_replay"]:
+                    if routing.reads_reference(spec):
                         routing.wait_for_reference(jobs[-1], f"{url}/reference", reference)
         if not jobs:
             break

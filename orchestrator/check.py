@@ -119,6 +119,8 @@ def _judge(p: PlannedCheck) -> None:
         replay = bool(p.candidate.spec["trace"].get("routing_replay"))
         if replay:   # orchestrator/routing.py
             report["reference"]["routing"] = "replay"
+        if p.candidate.spec["trace"].get("grad_sign_replay"):   # orchestrator/grad_signs.py
+            report["reference"]["grad_signs"] = "replay"
         timings["jobs"] = {j.name: j.seconds for j in ([] if rs.cache == "hit" else rs.jobs) + [p.candidate]}
         keep_logs(p, ([] if rs.cache == "hit" else rs.jobs) + [p.candidate])
         failed = [e for e in (rs.error, p.candidate.error) if e]

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import layouts, routing
+from orchestrator import grad_signs, layouts, routing
 from orchestrator.jobs import BUILTIN_ENTRYPOINT
 from orchestrator.layouts import (  # noqa: F401  (recipe.RECIPES, ...)
     RECIPES,
@@ -118,6 +118,7 @@ def reference_key(recipe: dict[str, Any]) -> str:
                       "perturbation": tol.get("perturbation", "auto"), "trace": recipe.get("trace"),
                       "perturbation_steps": tol.get("perturbation_steps", "first"),
                       "routing_replay": routing.replay(recipe), "code": code,
+                      "grad_sign_replay": grad_signs.replay(recipe),
                       # checks of a sweep saving to different directories are different computations
                       "save": (recipe.get("checkpoint") or {}).get("save")}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -173,6 +174,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
                   "perturbation_steps": recipe["tolerance"].get("perturbation_steps", "first"),
                   # the reference run's URL is set when jobs are ordered (orchestrator/routing.py)
                   "routing_replay": role in ("perturbed", "candidate") and routing.replay(recipe),
+                  "grad_sign_replay": role in ("perturbed", "candidate") and grad_signs.replay(recipe),
                   "fingerprint": fingerprint(recipe),
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
@@ -222,6 +224,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
         raise ConfigError(f"tolerance.perturbation_steps={tol['perturbation_steps']}: use first (the initial "
                           "weights) or every (after every optimizer step too)")
     routing.validate(recipe)
+    grad_signs.validate(recipe)
     if tol.get("perturbation") == "gemm" and job["entrypoint"] != BUILTIN_ENTRYPOINT:
         raise ConfigError(f"tolerance.perturbation=gemm draws the rounding of GEMM results inside ttrace's "
                           f"built-in trainer only; job {job['label']!r} is perturbed by its weights "

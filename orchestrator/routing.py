@@ -57,13 +57,20 @@ def _traces_outputs(trace: dict[str, Any]) -> bool:
     return (trace.get("mode") or "full") == "full" and (kinds is None or "output" in kinds)
 
 
+def reads_reference(spec: dict[str, Any]) -> bool:
+    """Does a job replay the reference while it trains (its routing, or its grad signs:
+    orchestrator/grad_signs.py)?"""
+    return bool(spec["trace"].get("routing_replay") or spec["trace"].get("grad_sign_replay"))
+
+
 def order_jobs(checks: Iterable[Any]) -> None:
-    """For every check that replays: its perturbed references and candidate read the reference run
-    (trace.reference) and start after it. `checks`: planned checks (orchestrator.outcome.PlannedCheck)
-    with their reference sets attached. A cached reference is already complete: nothing waits."""
+    """For every check that replays (`reads_reference`): its perturbed references and candidate read the
+    reference run (trace.reference) and start after it. `checks`: planned checks
+    (orchestrator.outcome.PlannedCheck) with their reference sets attached. A cached reference is
+    already complete: nothing waits."""
     for p in checks:
         rs = p.refs
-        if rs is None or p.candidate is None or not p.candidate.spec["trace"].get("routing_replay"):
+        if rs is None or p.candidate is None or not reads_reference(p.candidate.spec):
             continue
         computing = rs.jobs[0] if rs.cache != "hit" else None
         for job in [*rs.jobs[1:], p.candidate]:
@@ -71,7 +78,7 @@ def order_jobs(checks: Iterable[Any]) -> None:
 
 
 def wait_for_reference(job: Any, url: str, reference: Any | None) -> None:
-    """A replaying job (cluster.Job whose spec has trace.routing_replay) reads the reference run at
+    """A replaying job (cluster.Job whose spec `reads_reference`) reads the reference run at
     `url` and starts after `reference`, its job (None: that run is complete already)."""
     job.spec["trace"]["reference"] = url
     job.after = reference

@@ -92,6 +92,10 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
             raise ConfigError(f"ttrace scan sets trace.mode and trace.kinds itself (phase 1 logs "
                               f"{SCAN_KINDS} per step, phase 2 traces every kind in full); leave them at "
                               "their defaults")
+        if rec["tolerance"].get("grad_signs") == "replay":
+            raise ConfigError("tolerance.grad_signs=replay: ttrace scan does not replay grad signs (its "
+                              "phase 1 logs no grads to take them from); set tolerance.grad_signs=own or "
+                              "auto")
         if rec["tolerance"].get("routing") == "replay":
             raise ConfigError("tolerance.routing=replay: ttrace scan does not replay routing (its phase 1 "
                               "logs no router outputs to take the experts from); set tolerance.routing=own "

@@ -158,6 +158,7 @@ class Tolerance:
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
     routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)
+    grad_signs: str = "auto"         # auto | replay | own: grad signs (orchestrator/grad_signs.py)
 
 
 @dataclass

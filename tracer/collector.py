@@ -65,6 +65,7 @@ class Tracer:
         self._handles: list[Any] = []
         self._feed: Any = None   # tracer.isolation.ReferenceFeed: isolation pass (see `isolate`)
         self._replay: Any = None  # the reference's router outputs: routing replay (see `replay_routing`)
+        self._signs: Any = None   # the reference's param grads: grad-sign replay (see `replay_grad_signs`)
 
     @classmethod
     def disabled(cls) -> Tracer:
@@ -103,6 +104,11 @@ class Tracer:
         """Routing replay (tracer/routing.py): hand each router's caller the reference's output for the
         same call (`feed`: tracer.routing.reference_routing) beside the router's own."""
         self._replay = feed
+
+    def replay_grad_signs(self, signs: Any) -> None:
+        """Grad-sign replay (tracer/grad_signs.py): after recording each param grad, its elements whose
+        sign differs from the reference's take the reference's value (tracer.grad_signs.GradSigns)."""
+        self._signs = signs
 
     def set_grad_scale(self, scale: float) -> None:
         """Factor turning this rank's activation grads into d(global loss)/d(activation).
@@ -165,6 +171,11 @@ class Tracer:
         for pname, (t, layout) in shards.items():
             mtype = self._params.get(pname, (Replicate(), ""))[1]
             self.record(self._rename(pname), "param_grad", t, layout, module_type=mtype)
+            if self._signs is not None:
+                self._signs.take(canonical_name(self._step, None, self._rename(pname), "param_grad"),
+                                 layout, t)
+        if self._signs is not None:
+            self._signs.release()
 
     def close(self, incomplete: str | None = None) -> None:
         """Commit this rank's trace (manifest last). Call on every rank after training; `incomplete`
@@ -181,6 +192,7 @@ class Tracer:
         if not self.enabled:
             return
         known = self.__dict__.setdefault("_renamed", {})   # local name -> (global name, layout, type)
+        signs = self._signs if kind == "param_grad" else None
         for pname, p in model.named_parameters():
             t = p if kind == "param" else getattr(p, "main_grad", None)
             t = p.grad if t is None and kind == "param_grad" else t
@@ -190,6 +202,10 @@ class Tracer:
                 known[pname] = (self._rename(pname), *self._params.get(pname, (_REPLICATE, "")))
             name, layout, mtype = known[pname]
             self.record(name, kind, t, layout, module_type=mtype)
+            if signs is not None:   # after the record: the traced grad is the run's own
+                signs.take(canonical_name(self._step, None, name, "param_grad"), layout, t)
+        if signs is not None:
+            signs.release()
 
     def _forward_hook(self, path: str, module_type: str, layout: Layout, grad_layout: Layout | None = None):
         grad_layout = layout if grad_layout is None else grad_layout

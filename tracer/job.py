@@ -167,11 +167,10 @@ class Session(JobInputs):
             from tracer.feed import reference_feed
 
             self._tracer.isolate(reference_feed(str(self.config.reference), self.coords, self.sizes))
-        elif self.config.routing_replay:   # perturbed and candidate runs: tracer/routing.py
-            from tracer.routing import reference_routing
+        elif self.config.routing_replay or self.config.grad_sign_replay:   # perturbed and candidate runs
+            from tracer.grad_signs import attach_replays
 
-            feed = reference_routing(str(self.config.reference), self.coords, self.sizes)
-            self._tracer.replay_routing(feed)
+            attach_replays(self._tracer, self.config, self.coords, self.sizes)
         return model
 
     def set_grad_scale(self, scale: float) -> None:

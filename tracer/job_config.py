@@ -95,6 +95,12 @@ class JobConfig:
         return bool(self.spec.get("trace", {}).get("routing_replay"))
 
     @property
+    def grad_sign_replay(self) -> bool:
+        """Take the reference's grad where this run's disagrees in sign (tracer/grad_signs.py): set by
+        ttrace on perturbed and candidate runs of a check that replays grad signs."""
+        return bool(self.spec.get("trace", {}).get("grad_sign_replay"))
+
+    @property
     def traced(self) -> bool:
         return self.role != UNTRACED and bool(self.spec.get("trace", {}).get("enabled", True))
 
@@ -140,6 +146,9 @@ class JobConfig:
         if trace.get("routing_replay") and not reference:
             raise ConfigError(f"routing replay needs {ENV_REFERENCE}, the URL of the reference run whose "
                               "router outputs this run takes its experts from")
+        if trace.get("grad_sign_replay") and not reference:
+            raise ConfigError(f"grad-sign replay needs {ENV_REFERENCE}, the URL of the reference run whose "
+                              "param grads this run takes its grad signs from")
         sizes = dict(defaults)
         seed = _first(env.get(ENV_SEED), spec.get("seed"), sizes.pop("seed", None), DEFAULT_SEED)
         steps = _first(spec.get("steps"), sizes.pop("steps", None))

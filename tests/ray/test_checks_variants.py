@@ -1,7 +1,7 @@
 """Real Ray checks of the parallelism families whose reassembly is the most particular: VPP and CP on
-llama_tiny (one shared reference set) and MoE/EP+TP on moe_tiny (bf16: routing replayed) pass clean,
-and one bug switch per family (the MoE one under routing replay) exits 1 naming the module the catalog
-says. (Every layout and bug switch of these models is compared with one process in
+llama_tiny (one shared reference set) and MoE/EP+TP on moe_tiny (bf16: routing and grad signs
+replayed) pass clean, and one bug switch per family (the MoE one under both replays) exits 1 naming
+the module the catalog says. (Every layout and bug switch of these models is compared with one process in
 test_variant_numerics.py; llama's TP/PP and tied embedding go through a real check in
 test_reference_layout.py; the whole catalog: `make bench-bugs`.)"""
 
@@ -52,5 +52,6 @@ def test_bug_is_named(results, bug):
 
 
 @pytest.mark.parametrize("check", [f"clean-{p}" for p in MOE_CLEAN] + list(MOE_BUGGY))
-def test_moe_checks_in_bf16_replay_the_reference_routing(results, check):
-    assert results[check].report["reference"].get("routing") == "replay"
+def test_moe_checks_in_bf16_replay_the_reference_routing_and_grad_signs(results, check):
+    ref = results[check].report["reference"]
+    assert ref.get("routing") == "replay" and ref.get("grad_signs") == "replay"

@@ -1,0 +1,73 @@
+"""Grad-sign replay, the rank's side (orchestrator/grad_signs.py says when and why): after a perturbed
+reference or the candidate traces its param grads, every element whose sign differs from the
+reference's grad (or that is zero where the reference's is not, or the reverse) takes the reference's
+value, so the optimizer's first update, lr * sign(g), is the reference's wherever rounding alone decided
+the sign. The traced grads are the run's own: a wrong grad is judged where it was made.
+
+At attach (tracer/job.py) a replaying rank opens the reference run (`reference_grads`); the tracer
+(`Tracer.replay_grad_signs`) hands each param grad it records, with its layout, to `GradSigns.take`,
+which cuts this rank's piece of the reference's grad for the same step and parameter. A job replays
+if it records its grads where the job contract says (`record_param_grads` after the reductions and
+before clipping and the optimizer, or its distributed optimizer's shards, which the optimizer reads).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.feed import ReferenceFeed, load_run
+from tracer.layouts import Layout
+from tracer.logical import StoredTensors
+
+
+def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor) -> int:
+    """In place: the elements of `grad` whose sign differs from `reference`'s take its value. Returns how
+    many did."""
+    differ = torch.sign(grad) != torch.sign(reference)
+    grad[differ] = reference[differ]
+    return int(differ.sum())
+
+
+class GradSigns:
+    """The reference run's param grads, read step by step (its parts released after each step)."""
+
+    def __init__(self, feed: ReferenceFeed):
+        self.feed = feed
+        self.taken = 0     # elements that took the reference's value, over the run
+        self.elements = 0  # elements seen
+
+    def take(self, name: str, layout: Layout, grad: torch.Tensor) -> None:
+        """`name`: the grad's canonical name (step/-/param/param_grad); `grad`: this rank's piece."""
+        ref = self.feed.local(name, layout, grad)
+        if ref is None:
+            raise TraceError(f"grad-sign replay: the reference's '{name}' does not cut to this rank's grad "
+                             f"of shape {tuple(grad.shape)} by its layout {layout.to_json()}; the runs "
+                             "differ in their model or layout (or set tolerance.grad_signs=own)")
+        self.taken += take_reference_signs(grad, ref)
+        self.elements += grad.numel()
+
+    def release(self) -> None:
+        """After a step's grads: drop the reference parts they were read from."""
+        tensors = self.feed.reference.tensors
+        if isinstance(tensors, StoredTensors):
+            tensors.release()
+
+
+def reference_grads(url: str, coords: dict[str, int], sizes: dict[str, int]) -> GradSigns:
+    """The reference run at `url` (<store>/<reference run>), read lazily, cut to this rank's layout."""
+    return GradSigns(ReferenceFeed(load_run(url, lazy=True), coords, sizes, purpose="grad-sign replay"))
+
+
+def attach_replays(tracer: Any, config: Any, coords: dict[str, int], sizes: dict[str, int]) -> None:
+    """A perturbed or candidate run's replays of the reference (tracer.job_config.JobConfig says which):
+    its routing (tracer/routing.py) and its grad signs."""
+    from tracer.routing import reference_routing
+
+    url = str(config.reference)
+    if config.routing_replay:
+        tracer.replay_routing(reference_routing(url, coords, sizes))
+    if config.grad_sign_replay:
+        tracer.replay_grad_signs(reference_grads(url, coords, sizes))
