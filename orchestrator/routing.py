@@ -6,7 +6,8 @@ near-tied tokens across the top-k boundary: a perturbed reference or an honest c
 those tokens to other experts, and every expert's grads move by far more than rounding explains (the
 MoE false alarms of docs/tolerance.md). Under replay the perturbed references and the candidate take
 the reference's top-k experts for every (step, microbatch, layer) and keep every numeric difference;
-the router's logits and grads are judged as before. So they start once the reference has finished.
+the router's logits and grads are judged as before. So they start once the reference has finished;
+grad-sign replay (orchestrator/grad_signs.py) reads the reference the same way and shares this order.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -185,6 +186,9 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._signs is not None:   # into the rank's log: how much of the update was replayed
+            print(f"ttrace: grad-sign replay: {self._signs.taken} of {self._signs.elements} grad elements "
+                  "took the reference's value", file=sys.stderr)
         self._writer.close(incomplete)
 
     # -- internals -----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def _run(root, run: str, weight_grad: torch.Tensor, signs_from: str | None = Non
     return net
 
 
-def test_a_replaying_run_updates_with_the_reference_signs_and_traces_its_own_grads(tmp_path):
+def test_a_replaying_run_updates_with_the_reference_signs_and_traces_its_own_grads(tmp_path, capfd):
     store = tmp_path / "store"
     ref_grad = torch.tensor([[1.0, -1e-6, 2.0], [3e-7, -4.0, 0.5]])
     _run(store, "reference", ref_grad)
@@ -48,6 +48,7 @@ def test_a_replaying_run_updates_with_the_reference_signs_and_traces_its_own_gra
     net = _run(store, "candidate", own, signs_from=f"{store}/reference")
     # what the optimizer reads: the reference's value at the three elements, the run's own elsewhere
     assert torch.equal(net.weight.grad, torch.tensor([[0.9, -1e-6, 2.1], [3e-7, -3.9, 0.5]]))
+    assert "grad-sign replay: 3 of 8 grad elements took the reference's value" in capfd.readouterr().err
     traced = load_logical(str(store), "candidate", 1).tensors["0/-/weight/param_grad"].tensor
     assert torch.equal(traced, own)                             # the traced grad is the run's own
     unreplayed = _run(store, "unreplayed", own)
