@@ -32,7 +32,7 @@ def replay(recipe: dict[str, Any]) -> bool:
     mode = recipe["tolerance"].get("grad_signs", "auto")
     if mode != "auto":
         return mode == "replay"
-    return routing.replay(recipe) and _traces_param_grads(recipe.get("trace") or {})
+    return routing.replay(recipe) and routing.traces(recipe.get("trace") or {}, "param_grad")
 
 
 def validate(recipe: dict[str, Any]) -> None:
@@ -40,12 +40,7 @@ def validate(recipe: dict[str, Any]) -> None:
     if mode not in MODES:
         raise ConfigError(f"tolerance.grad_signs={mode!r}: use auto, replay (the perturbed references and "
                           "the candidate take the reference's grad where their own disagrees in sign) or own")
-    if mode == "replay" and not _traces_param_grads(recipe.get("trace") or {}):
+    if mode == "replay" and not routing.traces(recipe.get("trace") or {}, "param_grad"):
         raise ConfigError("tolerance.grad_signs=replay reads the param grads of the reference's trace, "
                           "which trace.mode=stats or a trace.kinds without 'param_grad' does not keep; trace "
                           "them in full or set tolerance.grad_signs=own")
-
-
-def _traces_param_grads(trace: dict[str, Any]) -> bool:
-    kinds = trace.get("kinds")
-    return (trace.get("mode") or "full") == "full" and (kinds is None or "param_grad" in kinds)

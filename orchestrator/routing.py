@@ -35,7 +35,7 @@ def replay(recipe: dict[str, Any]) -> bool:
     job, trace = recipe.get("job") or {}, recipe.get("trace") or {}
     builtin = not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
     moe = int(recipe["model"].get("experts") or 0) > 0   # (recipe.job_of: neither set is the built-in)
-    return builtin and moe and recipe["precision"].get("name") in ("bf16", "fp8") and _traces_outputs(trace)
+    return builtin and moe and recipe["precision"].get("name") in ("bf16", "fp8") and traces(trace, "output")
 
 
 def validate(recipe: dict[str, Any]) -> None:
@@ -43,7 +43,7 @@ def validate(recipe: dict[str, Any]) -> None:
     if mode not in MODES:
         raise ConfigError(f"tolerance.routing={mode!r}: use auto, replay (the perturbed references and the "
                           "candidate take the reference's top-k experts) or own")
-    if mode == "replay" and not _traces_outputs(recipe.get("trace") or {}):
+    if mode == "replay" and not traces(recipe.get("trace") or {}, "output"):
         raise ConfigError("tolerance.routing=replay reads the router outputs of the reference's trace, which "
                           "trace.mode=stats or a trace.kinds without 'output' does not keep; trace in full "
                           "or set tolerance.routing=own")
@@ -53,9 +53,11 @@ def validate(recipe: dict[str, Any]) -> None:
                           "reference.micro_batch unset or set tolerance.routing=own")
 
 
-def _traces_outputs(trace: dict[str, Any]) -> bool:
+def traces(trace: dict[str, Any], kind: str) -> bool:
+    """Does a recipe's `trace` section keep the values of `kind` (full mode, the kind selected)? A
+    replay reads them from the reference's trace."""
     kinds = trace.get("kinds")
-    return (trace.get("mode") or "full") == "full" and (kinds is None or "output" in kinds)
+    return (trace.get("mode") or "full") == "full" and (kinds is None or kind in kinds)
 
 
 def reads_reference(spec: dict[str, Any]) -> bool:
