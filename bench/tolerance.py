@@ -334,6 +334,8 @@ def main() -> int:
                          f"study are {STUDY_FAMILY}'s)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "tolerance.json"))
     ap.add_argument("--no-run", action="store_true", help="analyse the traces already in --store only")
+    ap.add_argument("--perturbations", type=int, default=0,
+                    help="R perturbed runs per reference (0: the recipe's tolerance.perturbations)")
     ap.add_argument("--trained", type=int, default=200, help="stage 5: clean checks from a checkpoint "
                                                              "trained this many steps (0: skip)")
     ap.add_argument("--trained-only", action="store_true", help="stage 5 only, into --out's 'trained'")
@@ -350,7 +352,7 @@ def main() -> int:
         print(f"bench: unknown families {unknown}; known: {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
     rec = recipe.compose([])
-    R = int(rec["tolerance"]["perturbations"])
+    R = args.perturbations or int(rec["tolerance"]["perturbations"])
     policy = TolerancePolicy.from_config(rec["tolerance"])
 
     # (family, precision, seed, candidate recipes): calibration seeds on gpt_tiny's PARALLELS, the
