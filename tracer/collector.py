@@ -170,11 +170,10 @@ class Tracer:
         if not self.enabled:
             return
         for pname, (t, layout) in shards.items():
-            mtype = self._params.get(pname, (Replicate(), ""))[1]
-            self.record(self._rename(pname), "param_grad", t, layout, module_type=mtype)
+            name, mtype = self._rename(pname), self._params.get(pname, (Replicate(), ""))[1]
+            self.record(name, "param_grad", t, layout, module_type=mtype)
             if self._signs is not None:
-                self._signs.take(canonical_name(self._step, None, self._rename(pname), "param_grad"),
-                                 layout, t)
+                self._signs.take(canonical_name(self._step, None, name, "param_grad"), layout, t)
         if self._signs is not None:
             self._signs.release()
 

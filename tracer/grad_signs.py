@@ -20,7 +20,6 @@ import torch
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
 from tracer.layouts import Layout
-from tracer.logical import StoredTensors
 
 
 def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor) -> int:
@@ -51,9 +50,7 @@ class GradSigns:
 
     def release(self) -> None:
         """After a step's grads: drop the reference parts they were read from."""
-        tensors = self.feed.reference.tensors
-        if isinstance(tensors, StoredTensors):
-            tensors.release()
+        self.feed.reference.release()
 
 
 def reference_grads(url: str, coords: dict[str, int], sizes: dict[str, int]) -> GradSigns:

@@ -57,6 +57,12 @@ class LogicalTrace:
             got = self._shapes[name] = tuple(shape)
         return got
 
+    def release(self) -> None:
+        """Drop the parts a lazily read run holds after lookups outside a comparison's walk
+        (StoredTensors.release); nothing for a run read whole."""
+        if isinstance(self.tensors, StoredTensors):
+            self.tensors.release()
+
 
 def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) -> LogicalTrace:
     """The run's manifests, checked; with `lazy`, tensors are read as they are looked up (see the

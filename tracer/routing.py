@@ -28,7 +28,7 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
-from tracer.logical import LogicalTrace, StoredTensors
+from tracer.logical import LogicalTrace
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
 _REPLAYED = "_ttrace_replayed_routing"  # attribute of a router output: the reference's, this rank's piece
@@ -54,7 +54,7 @@ def reference_routing(url: str, coords: dict[str, int], sizes: dict[str, int]) -
         raise TraceError(f"routing replay: the reference run {url} traced no router output (a module of type "
                          f"{', '.join(sorted(ROUTER_TYPES))}); set tolerance.routing=own")
     kept = {n: trace.tensors[n] for n in names}
-    _release(trace)
+    trace.release()
     trace.tensors = kept
     return ReferenceFeed(trace, coords, sizes, purpose="routing replay")
 
@@ -86,13 +86,6 @@ def _router_outputs(trace: LogicalTrace) -> list[str]:
     """The router outputs a run traced, in execution order."""
     return [n for n in trace.order
             if trace.info[n]["kind"] == "output" and trace.info[n].get("module_type") in ROUTER_TYPES]
-
-
-def _release(*runs: LogicalTrace) -> None:
-    """Drop the parts lookups outside a comparison's walk left held (StoredTensors.release)."""
-    for run in runs:
-        if isinstance(run.tensors, StoredTensors):
-            run.tensors.release()
 
 
 def _experts(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,7 +121,8 @@ def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
         routers += 1
         tokens += flipped.numel()
         cand += int(flipped.sum())
-    _release(reference, candidate, *perturbed)   # the parts these lookups read: not kept
+    for run in (reference, candidate, *perturbed):   # the parts these lookups read: not kept
+        run.release()
     if not routers:
         return None
     flips = torch.cat(flip_margins)
