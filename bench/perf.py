@@ -353,15 +353,18 @@ def compare_summary(scaling: dict[str, Any]) -> dict[str, Any]:
 LATENCY_GOAL = 1.5   # issue 16: a check's wall time over its longest job, on a warm cluster
 
 
-def check_latency(tmp: Path, rounds: int = 2) -> dict[str, Any]:
+def check_latency(tmp: Path, rounds: int = 4) -> dict[str, Any]:
     """The demo check (default recipe, MLflow on) on a warm cluster: Ray started and its workers warm
     (one check run first), every check with a fresh store (the reference jobs run). `before`: the
     comparison as before issue 16 (TTRACE_COMPARE_THREADS=1: chunks one by one with torch's own
-    threads); `after`: as shipped. Interleaved, `rounds` each; the medians of total / longest job."""
+    threads, and the driver's heap not frozen during the comparison and MLflow logging); `after`: as
+    shipped. Interleaved, `rounds` each; the medians of total / longest job."""
+    import contextlib
     import os
 
     import ray
 
+    import orchestrator.check
     from orchestrator.check import run_check
     from orchestrator.recipe import compose
 
@@ -378,12 +381,15 @@ def check_latency(tmp: Path, rounds: int = 2) -> dict[str, Any]:
         one("warm-up")
         for i in range(rounds):
             for when in ("before", "after"):
+                frozen = orchestrator.check.gc_frozen
                 if when == "before":
                     os.environ["TTRACE_COMPARE_THREADS"] = "1"
+                    orchestrator.check.gc_frozen = contextlib.nullcontext   # type: ignore[assignment]
                 try:
                     runs[when].append(one(f"{when}{i}"))
                 finally:
                     os.environ.pop("TTRACE_COMPARE_THREADS", None)
+                    orchestrator.check.gc_frozen = frozen
     finally:
         ray.shutdown()
     ratio = {w: statistics.median(r["ratio"] for r in rs) for w, rs in runs.items()}

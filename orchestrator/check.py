@@ -26,6 +26,7 @@ from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.logical import load_logical
 from tracer.routing import routing_flips
+from tracer.store import gc_frozen
 from tracer.tolerance import TolerancePolicy
 
 
@@ -61,19 +62,20 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
         except TTraceError as e:
             for p in live:
                 p.error = str(e)
-    for rs in refsets:
-        commit(rs)
-    for p in plans:
-        _judge(p)
-    to_isolate = [p for p in plans if p.comparison is not None and wants_isolation(p)]
-    keep = {id(p) for p in to_isolate}
-    for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
-        if id(p) not in keep:
-            p.loaded = None
-    isolate(to_isolate, progress)
-    if warming is not None:
-        warming.join()
-    return [finish(p, base_dir, parent_run_id) for p in plans]
+    with gc_frozen():   # the driver's heap (Ray, torch, MLflow) is not rescanned by every GC pass
+        for rs in refsets:
+            commit(rs)
+        for p in plans:
+            _judge(p)
+        to_isolate = [p for p in plans if p.comparison is not None and wants_isolation(p)]
+        keep = {id(p) for p in to_isolate}
+        for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
+            if id(p) not in keep:
+                p.loaded = None
+        isolate(to_isolate, progress)
+        if warming is not None:
+            warming.join()
+        return [finish(p, base_dir, parent_run_id) for p in plans]
 
 
 def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:

@@ -174,7 +174,9 @@ CATALOG.update({b.name: b for b in (
         "so EP ranks clip with different coefficients",
         8, "model=moe_tiny, ep>1, clipping active (trigger: parallel=ep2_tp2)",
         "params after the step 0 update: every parameter on the EP ranks is clipped by a wrong "
-        "coefficient, so the first one recorded (embedding.word) is the honest answer",
+        "coefficient, so the first one recorded (embedding.word) is the honest answer. In fp32, which "
+        "the trigger runs; in bf16 a clip coefficient moves Adam's first update only where |g| is near "
+        "eps, and the first param to show it is layers.0.attn.q (its EP replicas differ)",
         trigger=('model=moe_tiny', 'parallel=ep2_tp2'), expect='embedding.word/param',
         source='https://github.com/NVIDIA/Megatron-LM/pull/5916'),
     Bug("moe_router_grad_unreduced",

@@ -381,3 +381,27 @@ def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
     with pytest.raises(TraceError, match="bit-identical"):
         compare(load(tmp_path, "reference"), load(tmp_path, "candidate", 2), [load(tmp_path, "perturbed-0")],
                 TolerancePolicy())
+
+
+def test_gc_frozen_keeps_old_objects_out_of_gc_passes_and_leaves_a_users_freeze_alone():
+    import gc
+
+    from tracer.store import gc_frozen
+
+    before = gc.get_freeze_count()
+    assert before == 0
+    with gc_frozen():
+        assert gc.get_freeze_count() > 0   # the heap alive at entry is frozen
+        fresh = [[]]
+        fresh[0].append(fresh)   # a cycle made inside the block is still collected
+        del fresh
+        assert gc.collect() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()   # a process that froze its own heap keeps it frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
