@@ -24,9 +24,9 @@ from orchestrator.refcache import commit, share_references
 from orchestrator.report import tracking
 from tracer.compare import compare
 from tracer.errors import TTraceError
+from tracer.heap import gc_frozen
 from tracer.logical import load_logical
 from tracer.routing import routing_flips
-from tracer.store import gc_frozen
 from tracer.tolerance import TolerancePolicy
 
 

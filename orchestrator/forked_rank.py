@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -59,6 +60,10 @@ def run_forked(run: Callable[..., dict[str, Any]], spec: dict[str, Any], *args: 
         importlib.import_module(module)
     sys.stdout.flush()
     sys.stderr.flush()
+    # What the worker holds is long-lived (it never runs a job): frozen, the child's GC passes neither
+    # scan it (CPU) nor write its objects' GC headers (copy-on-write of the whole heap); the child's
+    # run_rank finds it frozen (tracer.heap.gc_frozen).
+    gc.freeze()
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:   # the child: never returns

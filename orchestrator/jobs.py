@@ -29,6 +29,7 @@ from typing import Any
 
 from orchestrator.rank_logs import RankLog, output_to, pump, rank_log
 from tracer.errors import ConfigError, JobError
+from tracer.heap import gc_frozen
 
 BUILTIN_ENTRYPOINT = "workloads.train:main"   # the built-in trainer's entrypoint (recipe.job_of)
 
@@ -71,8 +72,9 @@ def run_rank(spec: dict[str, Any], rank: int, world_size: int, master_addr: str,
             warning = _check_exit(spec, rank, out["exit_code"], log)
             if warning:
                 out["warning"] = warning
-        else:
-            out = _run_entrypoint(job, env, log, rank)
+        else:   # the worker's own objects (Ray, torch: ~3 x 10^5) stay out of the job's GC passes
+            with gc_frozen():
+                out = _run_entrypoint(job, env, log, rank)
         _verify_trace(spec, rank, log)
         return {**out, "rank": rank, "seconds": time.perf_counter() - t0, "log": log.where()}
 

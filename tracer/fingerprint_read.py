@@ -14,8 +14,9 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.fingerprint_log import SCAN_MODE, hash_hex
+from tracer.heap import gc_paused
 from tracer.logical import LogicalTrace
-from tracer.store import RankTrace, gc_paused, read_run
+from tracer.store import RankTrace, read_run
 
 Pieces = list[tuple[RankTrace, dict[str, Any]]]
 

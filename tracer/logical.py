@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
+from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
-from tracer.store import READ_THREADS, RankTrace, gc_paused, read_run
+from tracer.store import READ_THREADS, RankTrace, read_run
 
 _pool: ThreadPoolExecutor | None = None
 

@@ -8,11 +8,8 @@ corruption are caught. Writing: tracer/writer.py (a background thread; a step ne
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +18,7 @@ import torch
 
 from tracer.checksum import algorithm_of, hasher
 from tracer.errors import TraceError
+from tracer.heap import gc_paused
 from tracer.safetensors_views import safetensors_views
 
 FORMAT = "ttrace-trace/2"   # /2: the manifest names its checksum ("checksum") and mode ("mode")
@@ -106,38 +104,6 @@ class RankTrace:
             raise TraceError(f"trace part {path} is truncated or corrupt ({size} bytes, expected "
                              f"{info['bytes']}; {algorithm} checksum mismatch); rerun the job '{self.run}'")
         return safetensors_views(data, path)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while loading traces: a manifest is ~10^5 fresh dicts and lists (none in
-    a cycle), and every generation-2 pass rescans all objects alive. Measured on five 16x runs:
-    load 1.6-2.3 s with the GC running, 1.0 s paused."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def gc_frozen() -> Iterator[None]:
-    """Every object alive now left out of the cyclic GC's passes until the block ends (gc.freeze;
-    objects freed in the block are freed as usual). A check's driver holds ~5 x 10^5 objects once
-    Ray, torch and MLflow are imported, and each generation-2 pass that the comparison's and MLflow's
-    allocations trigger rescans them all: measured on warm demo checks, the comparison took
-    0.73-1.43 s with them scanned and 0.57-0.77 s frozen. A process that froze objects of its own
-    (gc.get_freeze_count() > 0) is left as it is: unfreezing would undo its freeze."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def runs_in(root: str) -> list[str]:

@@ -233,12 +233,19 @@ def test_a_perturbed_run_moves_its_weights_after_every_step_only_when_asked(step
 def test_a_reused_process_keeps_no_finished_jobs_session(tmp_path):
     """A Ray worker runs job after job in one process (the built-in trainer's ranks): once a job is
     done nothing may keep its session alive. An exit handler per session once did, with the writer's
-    32 MB slabs: +100 MB of RSS per job until Ray's memory monitor killed ranks."""
+    32 MB slabs: +100 MB of RSS per job until Ray's memory monitor killed ranks. The worker's own
+    objects are frozen out of the GC's passes while a job runs, and thawed after it."""
     script = f"""
 import gc, socket
+import workloads.train
 from orchestrator import recipe
 from orchestrator.jobs import run_rank
 from tracer.job import Session
+frozen = []
+def main(real=workloads.train.main):
+    frozen.append(gc.get_freeze_count())
+    return real()
+workloads.train.main = main
 rec = recipe.compose(["parallel=single", "tracking.enabled=false", "model.layers=1", "steps=1"])
 for i in range(2):
     with socket.socket() as s:
@@ -248,7 +255,9 @@ for i in range(2):
     run_rank(spec, 0, 1, "127.0.0.1", port)
     gc.collect()
     print("live sessions", sum(isinstance(o, Session) for o in gc.get_objects()))
+print("frozen in each job", all(n > 10000 for n in frozen), len(frozen), "after", gc.get_freeze_count())
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:2] == ["live sessions 0", "live sessions 0"], out.stdout
+    assert out.stdout.split("\n")[:3] == ["live sessions 0", "live sessions 0",
+                                          "frozen in each job True 2 after 0"], out.stdout

@@ -386,7 +386,7 @@ def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
 def test_gc_frozen_keeps_old_objects_out_of_gc_passes_and_leaves_a_users_freeze_alone():
     import gc
 
-    from tracer.store import gc_frozen
+    from tracer.heap import gc_frozen
 
     before = gc.get_freeze_count()
     assert before == 0
