@@ -43,39 +43,43 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     refsets = share_references(live, base_dir)
     routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
-    tracked = [p.rec["tracking"] for p in live if p.rec.get("tracking", {}).get("enabled", False)]
-    warming = None
-    if jobs:
-        try:
-            ray_s = cluster.ensure_ray(live[0].rec["cluster"])
-            if tracked:   # MLflow's import and store open while the jobs run (after Ray's own imports)
-                warming = tracking.warm_up(tracked[0], base_dir)
-            cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
-            timeout = max(float(p.rec["timeout_s"]) for p in live)
-            t0 = time.perf_counter()
-            with JobProgress(progress) as on_change:
-                cluster.run_jobs(jobs, cpus_per_rank=cpus, timeout_s=timeout,
-                                 error_dir=live[0].output_dir / "errors", on_change=on_change)
-            wall = time.perf_counter() - t0
-            for p in live:
-                p.report["timings"].update(ray_start=ray_s, jobs_wall=wall)
-        except TTraceError as e:
-            for p in live:
-                p.error = str(e)
-    with gc_frozen():   # the driver's heap (Ray, torch, MLflow) is not rescanned by every GC pass
-        for rs in refsets:
-            commit(rs)
-        for p in plans:
-            _judge(p)
-        to_isolate = [p for p in plans if p.comparison is not None and wants_isolation(p)]
-        keep = {id(p) for p in to_isolate}
-        for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
-            if id(p) not in keep:
-                p.loaded = None
-        isolate(to_isolate, progress)
-        if warming is not None:
-            warming.join()
-        return [finish(p, base_dir, parent_run_id) for p in plans]
+    tracked = [(p.rec["tracking"], p.report) for p in live if p.rec.get("tracking", {}).get("enabled", False)]
+    opened: tracking.OpenedRuns | None = None
+    try:
+        if jobs:
+            try:
+                ray_s = cluster.ensure_ray(live[0].rec["cluster"])
+                if tracked:   # each check's MLflow run opens while the jobs run (after Ray's own imports)
+                    opened = tracking.OpenedRuns(tracked, base_dir, parent_run_id)
+                cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
+                timeout = max(float(p.rec["timeout_s"]) for p in live)
+                t0 = time.perf_counter()
+                with JobProgress(progress) as on_change:
+                    cluster.run_jobs(jobs, cpus_per_rank=cpus, timeout_s=timeout,
+                                     error_dir=live[0].output_dir / "errors", on_change=on_change)
+                wall = time.perf_counter() - t0
+                for p in live:
+                    p.report["timings"].update(ray_start=ray_s, jobs_wall=wall)
+            except TTraceError as e:
+                for p in live:
+                    p.error = str(e)
+        with gc_frozen():   # the driver's heap (Ray, torch, MLflow) is not rescanned by every GC pass
+            for rs in refsets:
+                commit(rs)
+            for p in plans:
+                _judge(p)
+            to_isolate = [p for p in plans if p.comparison is not None and wants_isolation(p)]
+            keep = {id(p) for p in to_isolate}
+            for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
+                if id(p) not in keep:
+                    p.loaded = None
+            isolate(to_isolate, progress)
+            run_ids = opened.join() if opened is not None else {}
+            return [finish(p, base_dir, parent_run_id, run_ids.get(p.check_id)) for p in plans]
+    except BaseException:   # interrupted (Ctrl-C) or crashed: no MLflow run is left RUNNING
+        if opened is not None:
+            opened.end_running("KILLED")
+        raise
 
 
 def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:

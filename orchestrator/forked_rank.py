@@ -21,7 +21,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tracer.errors import ConfigError, JobError, TraceError
+from tracer.heap import gc_frozen
 
 OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
 BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
@@ -60,15 +60,15 @@ def run_forked(run: Callable[..., dict[str, Any]], spec: dict[str, Any], *args: 
         importlib.import_module(module)
     sys.stdout.flush()
     sys.stderr.flush()
-    # What the worker holds is long-lived (it never runs a job): frozen, the child's GC passes neither
-    # scan it (CPU) nor write its objects' GC headers (copy-on-write of the whole heap); the child's
-    # run_rank finds it frozen (tracer.heap.gc_frozen).
-    gc.freeze()
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:   # the child: never returns
-        os.close(read_fd)
-        _child(run, spec, args, kwargs, write_fd)
+    # The child starts with the worker's heap frozen: its GC passes neither scan it (CPU) nor write
+    # its objects' GC headers (copy-on-write of the whole heap), and its run_rank finds it frozen.
+    # The worker thaws after the fork (freezing and thawing move list heads, not objects).
+    with gc_frozen():
+        pid = os.fork()
+        if pid == 0:   # the child: never returns (os._exit), so it never thaws
+            os.close(read_fd)
+            _child(run, spec, args, kwargs, write_fd)
     os.close(write_fd)
     with os.fdopen(read_fd, encoding="utf-8") as pipe:
         payload = pipe.read()

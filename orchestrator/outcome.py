@@ -73,7 +73,10 @@ def keep_logs(p: PlannedCheck, jobs: list[cluster.Job]) -> None:
             logs[job.name] = paths
 
 
-def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None) -> CheckResult:
+def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None,
+           run_id: str | None = None) -> CheckResult:
+    """Write the check's report (json, html) and log it to its MLflow run (`run_id`: opened while its
+    jobs ran, tracking.OpenedRuns)."""
     timings, report = p.report["timings"], p.report
     if p.comparison is not None:
         verdict, message = p.comparison.verdict, ""
@@ -95,7 +98,8 @@ def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None) -> CheckRe
     if p.rec.get("tracking", {}).get("enabled", False):
         try:
             report["mlflow_run_id"] = tracking.log_check(p.rec["tracking"], base_dir, report, report_path,
-                                                         html_path=html_path, parent_run_id=parent_run_id)
+                                                         html_path=html_path, parent_run_id=parent_run_id,
+                                                         run_id=run_id)
         except Exception as e:  # a tracking outage must not turn a verdict into a crash
             report["tracking_error"] = f"{type(e).__name__}: {e}"
     timings["tracking"] = time.perf_counter() - t0

@@ -33,17 +33,39 @@ def _tracking_uri(uri: str, base_dir: str) -> str:
     return uri
 
 
-def warm_up(cfg: dict[str, Any], base_dir: str) -> threading.Thread:
-    """Import MLflow and open its store (creating the database and the experiment if need be) on a
-    background thread, while the check's jobs run and the driver only waits: 2-15 s of a check's
-    wall time on a fresh process otherwise. A failure here is left to `log_check` to report."""
-    def run() -> None:
-        with contextlib.suppress(Exception):
-            _client(cfg, base_dir)
+class OpenedRuns:
+    """Each tracked check's MLflow run, opened (RUNNING, with its recipe as params) on a background
+    thread while the jobs run: the MLflow UI shows a check, or a sweep's checks, from their start,
+    and the thread takes MLflow's import and store opening (2-15 s on a fresh process) off the
+    check's wall time. `log_check` finishes a run opened here; a failure here only leaves
+    `log_check` to open the run itself (and report what fails)."""
 
-    t = threading.Thread(target=run, name="ttrace-mlflow-warm-up", daemon=True)
-    t.start()
-    return t
+    def __init__(self, checks: list[tuple[dict[str, Any], dict[str, Any]]], base_dir: str,
+                 parent_run_id: str | None = None):
+        self._ids: dict[str, str] = {}   # check_id -> run id
+        self._cfg = {report["check_id"]: cfg for cfg, report in checks}
+        self._base_dir = base_dir
+
+        def run() -> None:
+            with contextlib.suppress(Exception):
+                for cfg, report in checks:
+                    self._ids[report["check_id"]] = _open_run(cfg, base_dir, report, parent_run_id)
+
+        self._thread = threading.Thread(target=run, name="ttrace-mlflow-open", daemon=True)
+        self._thread.start()
+
+    def join(self) -> dict[str, str]:
+        """check_id -> run id of every run opened."""
+        self._thread.join()
+        return self._ids
+
+    def end_running(self, status: str) -> None:
+        """End every opened run still RUNNING with `status` (its check stopped before its verdict)."""
+        for check_id, run_id in self.join().items():
+            with contextlib.suppress(Exception):
+                client, _ = _client(self._cfg[check_id], self._base_dir)
+                if client.get_run(run_id).info.status == "RUNNING":
+                    client.set_terminated(run_id, status=status)
 
 
 def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:
@@ -108,19 +130,37 @@ def module_metrics(tensors: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report_path: Path,
-              html_path: Path | None = None, parent_run_id: str | None = None) -> str:
-    """Log the check as one MLflow run (report_path is already written); returns its run id."""
-    from mlflow.entities import Metric
+def _open_run(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], parent_run_id: str | None) -> str:
+    """A check's run, RUNNING, named after its job and layout, with the recipe as params."""
+    from mlflow.entities import Param
 
     client, exp_id = _client(cfg, base_dir)
     rec = report["recipe"]
-    fd = report.get("first_divergence") or {}
     job = (report.get("job") or {}).get("label", "builtin")
-    tags = {"verdict": report["verdict"], "check_id": report["check_id"], "job": str(job)[:5000],
-            "parallel": rec["parallel"]["name"], "bug": rec["bug"]["name"],
-            "first_divergence.name": fd.get("name", ""), "first_divergence.module": fd.get("module", ""),
-            "first_divergence.kind": fd.get("kind", "")}
+    tags = {"check_id": report["check_id"], "job": str(job)[:5000], "parallel": rec["parallel"]["name"],
+            "bug": rec["bug"]["name"]}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    name = f"{rec['parallel']['name']}/{rec['bug']['name']}"
+    run = client.create_run(exp_id, run_name=name if job == "builtin" else f"{job[:60]}/{name}", tags=tags)
+    params = {k: v[:6000] for k, v in _flatten({k: v for k, v in rec.items() if k != "tracking"}).items()}
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in params.items()])
+    return run.info.run_id
+
+
+def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report_path: Path,
+              html_path: Path | None = None, parent_run_id: str | None = None,
+              run_id: str | None = None) -> str:
+    """Log the check into its MLflow run (`run_id`: opened by OpenedRuns; else opened here) and end
+    it (report_path is already written); returns the run id."""
+    from mlflow.entities import Metric, RunTag
+
+    client, _ = _client(cfg, base_dir)
+    if run_id is None:
+        run_id = _open_run(cfg, base_dir, report, parent_run_id)
+    fd = report.get("first_divergence") or {}
+    tags = {"verdict": report["verdict"], "first_divergence.name": fd.get("name", ""),
+            "first_divergence.module": fd.get("module", ""), "first_divergence.kind": fd.get("kind", "")}
     culprit, window = report.get("culprit") or {}, report.get("blame_window") or {}
     if culprit:
         tags.update({"culprit.module": culprit["module"], "culprit.kind": culprit["kind"],
@@ -131,15 +171,7 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
     if report.get("reference"):
         tags["reference.cache"] = report["reference"].get("cache", "")
         tags["reference.key"] = report["reference"].get("key", "")
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    name = f"{rec['parallel']['name']}/{rec['bug']['name']}"
-    run = client.create_run(exp_id, run_name=name if job == "builtin" else f"{job[:60]}/{name}", tags=tags)
-    run_id = run.info.run_id
-    params = {k: v[:6000] for k, v in _flatten({k: v for k, v in rec.items() if k != "tracking"}).items()}
-    from mlflow.entities import Param
-
-    client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     now = int(time.time() * 1000)
     metrics = []
     for t in report.get("tensors", []):

@@ -44,6 +44,7 @@ def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ra
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
     by_bug = {r.data.tags["bug"]: r for r in runs}
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)   # one run per check, ended
     assert by_bug["none"].data.tags["verdict"] == "pass"
     assert by_bug["sp_layernorm_grad_unreduced"].data.tags["first_divergence.module"] == fd["module"]
     history = mlflow.MlflowClient().get_metric_history(by_bug["none"].info.run_id, "rel_err")

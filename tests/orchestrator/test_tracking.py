@@ -1,0 +1,40 @@
+"""A check's MLflow run: opened (RUNNING, recipe as params) while its jobs run, finished by its report,
+and ended KILLED if the checks stop before their verdicts."""
+
+import json
+
+from orchestrator.recipe import compose
+from orchestrator.report import tracking
+
+
+def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_run(tmp_path):
+    import mlflow
+
+    cfg = {"enabled": True, "uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "ttrace"}
+    reports = [{"check_id": c, "recipe": compose([f"parallel={par}", "tracking.enabled=true"]),
+                "job": {"label": "builtin"}, "timings": {"jobs_wall": 1.0}}
+               for c, par in (("c1", "tp2"), ("c2", "dp2"))]
+    opened = tracking.OpenedRuns([(cfg, r) for r in reports], str(tmp_path))
+    ids = opened.join()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(ids["c1"])
+    assert run.info.status == "RUNNING" and run.info.run_name == "tp2/none"
+    assert run.data.params["parallel.name"] == "tp2" and run.data.tags["check_id"] == "c1"
+    assert "verdict" not in run.data.tags   # not judged yet
+
+    report = reports[0]
+    report.update(verdict="pass", first_divergence=None, tensors=[
+        {"index": i, "kind": "output", "module_type": "Linear", "rel_err": 1e-7, "tolerance": 1e-6,
+         "ok": True} for i in range(3)])
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert tracking.log_check(cfg, str(tmp_path), report, path, run_id=ids["c1"]) == ids["c1"]
+    run = client.get_run(ids["c1"])
+    assert run.info.status == "FINISHED" and run.data.tags["verdict"] == "pass"
+    assert len(client.get_metric_history(ids["c1"], "rel_err")) == 3
+    runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
+    assert sorted(r.info.run_id for r in runs) == sorted(ids.values())   # one run per check, no more
+
+    opened.end_running("KILLED")   # the checks stopped (Ctrl-C) before c2's verdict
+    assert client.get_run(ids["c2"]).info.status == "KILLED"
+    assert client.get_run(ids["c1"]).info.status == "FINISHED"
