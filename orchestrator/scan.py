@@ -28,6 +28,7 @@ from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import commit, share_references
+from orchestrator.report import tracking
 from orchestrator.scan_rerun import rerun
 from tracer.errors import ConfigError, TTraceError
 from tracer.fingerprint_log import SCAN_MODE
@@ -58,11 +59,19 @@ def main(argv: list[str]) -> int:
 def run_scan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
     """Phase 1, then phase 2 on a divergence; every failure is verdict 'error', never a pass."""
     p = _plan(rec, output_dir, base_dir)
-    if p.error is None:
-        _phase1(p, base_dir)
-    if p.error is None:
-        _judge(p)
-    return finish(p, base_dir, None)
+    opened = None
+    if p.error is None and p.rec.get("tracking", {}).get("enabled", False):   # RUNNING while it scans
+        opened = tracking.OpenedRuns([(p.rec["tracking"], p.report)], base_dir)
+    try:
+        if p.error is None:
+            _phase1(p, base_dir)
+        if p.error is None:
+            _judge(p)
+        return finish(p, base_dir, None, opened.join().get(p.check_id) if opened is not None else None)
+    except BaseException:   # interrupted (Ctrl-C) or crashed: its MLflow run is not left RUNNING
+        if opened is not None:
+            opened.end_running("KILLED")
+        raise
 
 
 def scan_recipe(rec: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,8 @@ def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, wor
     mlflow.set_tracking_uri(f"sqlite:///{workdir}/mlflow.db")
     history = mlflow.MlflowClient().get_metric_history(res.report["mlflow_run_id"], "scan.err_over_tol")
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
+    (run,) = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")   # opened at the start
+    assert run.info.run_id == res.report["mlflow_run_id"] and run.info.status == "FINISHED"
 
 
 @pytest.mark.parametrize("overrides,steps,at,module", CASES,
