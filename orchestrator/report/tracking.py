@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch call
+DRIVER_TAG = "ttrace.driver"   # host:pid of the process that opened a run (orphans: _end_orphans)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -37,8 +39,9 @@ class OpenedRuns:
     """Each tracked check's MLflow run, opened (RUNNING, with its recipe as params) on a background
     thread while the jobs run: the MLflow UI shows a check, or a sweep's checks, from their start,
     and the thread takes MLflow's import and store opening (2-15 s on a fresh process) off the
-    check's wall time. `log_check` finishes a run opened here; a failure here only leaves
-    `log_check` to open the run itself (and report what fails)."""
+    check's wall time. It first ends the runs that dead drivers left RUNNING (_end_orphans).
+    `log_check` finishes a run opened here; a failure here only leaves `log_check` to open the run
+    itself (and report what fails)."""
 
     def __init__(self, checks: list[tuple[dict[str, Any], dict[str, Any]]], base_dir: str,
                  parent_run_id: str | None = None):
@@ -48,6 +51,8 @@ class OpenedRuns:
 
         def run() -> None:
             with contextlib.suppress(Exception):
+                for cfg in {c["uri"] + "\0" + c["experiment"]: c for c, _ in checks}.values():
+                    _end_orphans(cfg, base_dir)
                 for cfg, report in checks:
                     self._ids[report["check_id"]] = _open_run(cfg, base_dir, report, parent_run_id)
 
@@ -66,6 +71,35 @@ class OpenedRuns:
                 client, _ = _client(self._cfg[check_id], self._base_dir)
                 if client.get_run(run_id).info.status == "RUNNING":
                     client.set_terminated(run_id, status=status)
+
+
+def _end_orphans(cfg: dict[str, Any], base_dir: str) -> int:
+    """End KILLED the RUNNING runs opened on this host by a driver that is gone (killed with SIGKILL,
+    or its machine rebooted): MLflow would show them running forever. Runs of live drivers, and of
+    other hosts, are left alone. Returns how many were ended."""
+    client, exp_id = _client(cfg, base_dir)
+    host = socket.gethostname()
+    ended = 0
+    for run in client.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+        driver = run.data.tags.get(DRIVER_TAG, "")
+        who, _, pid = driver.rpartition(":")
+        if who != host or not pid.isdigit() or _alive(int(pid)):
+            continue
+        client.set_tag(run.info.run_id, "ttrace.ended", f"its driver ({driver}) was gone when a later check "
+                                                       "started")
+        client.set_terminated(run.info.run_id, status="KILLED")
+        ended += 1
+    return ended
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process
+        return True
+    return True
 
 
 def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:
@@ -103,6 +137,7 @@ def _sqlite_lock(uri: str) -> Iterator[None]:
 def start_parent(cfg: dict[str, Any], base_dir: str, name: str, tags: dict[str, str]) -> str:
     """A parent run (nightly, sweep) that checks are logged under as children; returns its id."""
     client, exp_id = _client(cfg, base_dir)
+    tags = {**tags, DRIVER_TAG: f"{socket.gethostname()}:{os.getpid()}"}
     return client.create_run(exp_id, run_name=name, tags=tags).info.run_id
 
 
@@ -138,7 +173,7 @@ def _open_run(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], parent
     rec = report["recipe"]
     job = (report.get("job") or {}).get("label", "builtin")
     tags = {"check_id": report["check_id"], "job": str(job)[:5000], "parallel": rec["parallel"]["name"],
-            "bug": rec["bug"]["name"]}
+            "bug": rec["bug"]["name"], DRIVER_TAG: f"{socket.gethostname()}:{os.getpid()}"}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     name = f"{rec['parallel']['name']}/{rec['bug']['name']}"

@@ -38,3 +38,32 @@ def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_ru
     opened.end_running("KILLED")   # the checks stopped (Ctrl-C) before c2's verdict
     assert client.get_run(ids["c2"]).info.status == "KILLED"
     assert client.get_run(ids["c1"]).info.status == "FINISHED"
+
+
+def test_a_run_left_running_by_a_driver_that_is_gone_is_ended_by_the_next_check(tmp_path):
+    """A driver killed with SIGKILL cannot end its runs; the next check on the host ends them KILLED
+    (runs of live drivers and of other hosts stay RUNNING)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import mlflow
+
+    cfg = {"enabled": True, "uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "ttrace"}
+    rec = compose(["parallel=tp2", "tracking.enabled=true"])
+    report = lambda c: {"check_id": c, "recipe": rec, "job": {"label": "builtin"}, "timings": {}}
+    ids = tracking.OpenedRuns([(cfg, report(c)) for c in ("dead", "live", "elsewhere")], str(tmp_path)).join()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    assert client.get_run(ids["live"]).data.tags[tracking.DRIVER_TAG] == me
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
+    client.set_tag(ids["dead"], tracking.DRIVER_TAG, f"{socket.gethostname()}:{int(gone.stdout)}")
+    client.set_tag(ids["elsewhere"], tracking.DRIVER_TAG, f"another-host:{int(gone.stdout)}")   # not ours
+
+    new = tracking.OpenedRuns([(cfg, report("next"))], str(tmp_path)).join()["next"]
+    dead = client.get_run(ids["dead"])
+    assert dead.info.status == "KILLED" and "was gone" in dead.data.tags["ttrace.ended"]
+    assert [client.get_run(ids[c]).info.status for c in ("live", "elsewhere")] == ["RUNNING", "RUNNING"]
+    assert client.get_run(new).info.status == "RUNNING"
