@@ -261,3 +261,18 @@ print("frozen in each job", all(n > 10000 for n in frozen), len(frozen), "after"
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:3] == ["live sessions 0", "live sessions 0",
                                           "frozen in each job True 2 after 0"], out.stdout
+
+
+def test_a_forked_rank_starts_with_its_workers_heap_frozen_and_the_worker_thaws():
+    """The warm worker freezes its heap for the fork only: the child's GC passes skip (and never write
+    to) the objects it shares with the worker, and the worker collects as before."""
+    import gc
+
+    from orchestrator.forked_rank import run_forked
+
+    def probe(spec):
+        return {"frozen": gc.get_freeze_count()}
+
+    assert gc.get_freeze_count() == 0
+    out = run_forked(probe, {"job": {"entrypoint": "probe:main"}})
+    assert out["frozen"] > 10000 and gc.get_freeze_count() == 0

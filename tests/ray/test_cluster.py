@@ -54,7 +54,7 @@ def test_which_ranks_run_in_the_worker_and_which_are_forked_from_a_pool_of_their
 
 
 _PROBE = """
-import gc, os, sys, time
+import os, sys, time
 TORCH_AT_IMPORT = "torch" in sys.modules   # preloaded by the warm worker before the fork
 CALLS = []
 
@@ -71,7 +71,7 @@ def main():
     if mode == "hang":
         time.sleep(600)
     return {"pid": os.getpid(), "parent": os.getppid(), "calls": len(CALLS),
-            "torch_at_import": TORCH_AT_IMPORT, "ended": time.time(), "frozen": gc.get_freeze_count()}
+            "torch_at_import": TORCH_AT_IMPORT, "ended": time.time()}
 """
 
 
@@ -104,7 +104,6 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
     ranks = first.results + second.results
     assert all(r["calls"] == 1 for r in ranks), ranks           # a fresh module in every rank
     assert all(r["torch_at_import"] for r in ranks), ranks     # forked after the warm import
-    assert all(r["frozen"] > 10000 for r in ranks), ranks      # the worker's heap frozen before the fork
     assert len({r["pid"] for r in ranks}) == 4
     assert {r["parent"] for r in second.results} <= {r["parent"] for r in first.results}   # warm reuse
     assert dies.error and "rank 1's process died (killed by SIGKILL)" in dies.error, dies.error
