@@ -44,13 +44,11 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
     tracked = [(p.rec["tracking"], p.report) for p in live if p.rec.get("tracking", {}).get("enabled", False)]
-    opened: tracking.OpenedRuns | None = None
-    try:
+    with tracking.OpenedRuns(tracked, base_dir, parent_run_id) as opened:
         if jobs:
             try:
                 ray_s = cluster.ensure_ray(live[0].rec["cluster"])
-                if tracked:   # each check's MLflow run opens while the jobs run (after Ray's own imports)
-                    opened = tracking.OpenedRuns(tracked, base_dir, parent_run_id)
+                opened.start()   # each check's MLflow run opens while the jobs run (after Ray's own imports)
                 cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
                 timeout = max(float(p.rec["timeout_s"]) for p in live)
                 t0 = time.perf_counter()
@@ -74,12 +72,8 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
                 if id(p) not in keep:
                     p.loaded = None
             isolate(to_isolate, progress)
-            run_ids = opened.join() if opened is not None else {}
+            run_ids = opened.join()
             return [finish(p, base_dir, parent_run_id, run_ids.get(p.check_id)) for p in plans]
-    except BaseException:   # interrupted (Ctrl-C) or crashed: no MLflow run is left RUNNING
-        if opened is not None:
-            opened.end_running("KILLED")
-        raise
 
 
 def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:

@@ -59,19 +59,14 @@ def main(argv: list[str]) -> int:
 def run_scan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> CheckResult:
     """Phase 1, then phase 2 on a divergence; every failure is verdict 'error', never a pass."""
     p = _plan(rec, output_dir, base_dir)
-    opened = None
-    if p.error is None and p.rec.get("tracking", {}).get("enabled", False):   # RUNNING while it scans
-        opened = tracking.OpenedRuns([(p.rec["tracking"], p.report)], base_dir)
-    try:
+    tracked = p.error is None and p.rec.get("tracking", {}).get("enabled", False)
+    with tracking.OpenedRuns([(p.rec["tracking"], p.report)] if tracked else [], base_dir) as opened:
+        opened.start()   # RUNNING while it scans
         if p.error is None:
             _phase1(p, base_dir)
         if p.error is None:
             _judge(p)
-        return finish(p, base_dir, None, opened.join().get(p.check_id) if opened is not None else None)
-    except BaseException:   # interrupted (Ctrl-C) or crashed: its MLflow run is not left RUNNING
-        if opened is not None:
-            opened.end_running("KILLED")
-        raise
+        return finish(p, base_dir, None, opened.join().get(p.check_id))
 
 
 def scan_recipe(rec: dict[str, Any]) -> dict[str, Any]:

@@ -41,27 +41,27 @@ class OpenedRuns:
     and the thread takes MLflow's import and store opening (2-15 s on a fresh process) off the
     check's wall time. It first ends the runs that dead drivers left RUNNING (_end_orphans).
     `log_check` finishes a run opened here; a failure here only leaves `log_check` to open the run
-    itself (and report what fails)."""
+    itself (and report what fails). As a context manager: runs still RUNNING when the block raises
+    (Ctrl-C, a crash) end KILLED."""
 
     def __init__(self, checks: list[tuple[dict[str, Any], dict[str, Any]]], base_dir: str,
                  parent_run_id: str | None = None):
-        self._ids: dict[str, str] = {}   # check_id -> run id
+        self._checks, self._base_dir, self._parent = checks, base_dir, parent_run_id
         self._cfg = {report["check_id"]: cfg for cfg, report in checks}
-        self._base_dir = base_dir
+        self._ids: dict[str, str] = {}   # check_id -> run id
+        self._thread: threading.Thread | None = None
 
-        def run() -> None:
-            with contextlib.suppress(Exception):
-                for cfg in {c["uri"] + "\0" + c["experiment"]: c for c, _ in checks}.values():
-                    _end_orphans(cfg, base_dir)
-                for cfg, report in checks:
-                    self._ids[report["check_id"]] = _open_run(cfg, base_dir, report, parent_run_id)
-
-        self._thread = threading.Thread(target=run, name="ttrace-mlflow-open", daemon=True)
-        self._thread.start()
+    def start(self) -> OpenedRuns:
+        """Open the runs on the background thread (nothing to do without tracked checks)."""
+        if self._checks and self._thread is None:
+            self._thread = threading.Thread(target=self._open, name="ttrace-mlflow-open", daemon=True)
+            self._thread.start()
+        return self
 
     def join(self) -> dict[str, str]:
         """check_id -> run id of every run opened."""
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         return self._ids
 
     def end_running(self, status: str) -> None:
@@ -72,12 +72,33 @@ class OpenedRuns:
                 if client.get_run(run_id).info.status == "RUNNING":
                     client.set_terminated(run_id, status=status)
 
+    def __enter__(self) -> OpenedRuns:
+        return self
 
-def _end_orphans(cfg: dict[str, Any], base_dir: str) -> int:
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            self.end_running("KILLED")
+
+    def _open(self) -> None:
+        with contextlib.suppress(Exception):
+            stores: dict[tuple[str, str], tuple[Any, str]] = {}   # (uri, experiment) -> client, exp id
+            for cfg, report in self._checks:
+                key = (cfg["uri"], cfg["experiment"])
+                if key not in stores:
+                    stores[key] = _client(cfg, self._base_dir)
+                    _end_orphans(*stores[key])
+                self._ids[report["check_id"]] = _open_run(*stores[key], report, self._parent)
+
+
+def _driver() -> str:
+    """This process as DRIVER_TAG names it: host:pid."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _end_orphans(client: Any, exp_id: str) -> int:
     """End KILLED the RUNNING runs opened on this host by a driver that is gone (killed with SIGKILL,
     or its machine rebooted): MLflow would show them running forever. Runs of live drivers, and of
     other hosts, are left alone. Returns how many were ended."""
-    client, exp_id = _client(cfg, base_dir)
     host = socket.gethostname()
     ended = 0
     for run in client.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
@@ -137,8 +158,7 @@ def _sqlite_lock(uri: str) -> Iterator[None]:
 def start_parent(cfg: dict[str, Any], base_dir: str, name: str, tags: dict[str, str]) -> str:
     """A parent run (nightly, sweep) that checks are logged under as children; returns its id."""
     client, exp_id = _client(cfg, base_dir)
-    tags = {**tags, DRIVER_TAG: f"{socket.gethostname()}:{os.getpid()}"}
-    return client.create_run(exp_id, run_name=name, tags=tags).info.run_id
+    return client.create_run(exp_id, run_name=name, tags={**tags, DRIVER_TAG: _driver()}).info.run_id
 
 
 def end_parent(cfg: dict[str, Any], base_dir: str, run_id: str, metrics: dict[str, float],
@@ -165,15 +185,14 @@ def module_metrics(tensors: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _open_run(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], parent_run_id: str | None) -> str:
+def _open_run(client: Any, exp_id: str, report: dict[str, Any], parent_run_id: str | None) -> str:
     """A check's run, RUNNING, named after its job and layout, with the recipe as params."""
     from mlflow.entities import Param
 
-    client, exp_id = _client(cfg, base_dir)
     rec = report["recipe"]
     job = (report.get("job") or {}).get("label", "builtin")
     tags = {"check_id": report["check_id"], "job": str(job)[:5000], "parallel": rec["parallel"]["name"],
-            "bug": rec["bug"]["name"], DRIVER_TAG: f"{socket.gethostname()}:{os.getpid()}"}
+            "bug": rec["bug"]["name"], DRIVER_TAG: _driver()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     name = f"{rec['parallel']['name']}/{rec['bug']['name']}"
@@ -190,9 +209,9 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
     it (report_path is already written); returns the run id."""
     from mlflow.entities import Metric, RunTag
 
-    client, _ = _client(cfg, base_dir)
+    client, exp_id = _client(cfg, base_dir)
     if run_id is None:
-        run_id = _open_run(cfg, base_dir, report, parent_run_id)
+        run_id = _open_run(client, exp_id, report, parent_run_id)
     fd = report.get("first_divergence") or {}
     tags = {"verdict": report["verdict"], "first_divergence.name": fd.get("name", ""),
             "first_divergence.module": fd.get("module", ""), "first_divergence.kind": fd.get("kind", "")}

@@ -1,6 +1,7 @@
 """A check's MLflow run: opened (RUNNING, recipe as params) while its jobs run, finished by its report,
 and ended KILLED if the checks stop before their verdicts."""
 
+import contextlib
 import json
 
 from orchestrator.recipe import compose
@@ -14,7 +15,7 @@ def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_ru
     reports = [{"check_id": c, "recipe": compose([f"parallel={par}", "tracking.enabled=true"]),
                 "job": {"label": "builtin"}, "timings": {"jobs_wall": 1.0}}
                for c, par in (("c1", "tp2"), ("c2", "dp2"))]
-    opened = tracking.OpenedRuns([(cfg, r) for r in reports], str(tmp_path))
+    opened = tracking.OpenedRuns([(cfg, r) for r in reports], str(tmp_path)).start()
     ids = opened.join()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(ids["c1"])
@@ -35,7 +36,8 @@ def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_ru
     runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
     assert sorted(r.info.run_id for r in runs) == sorted(ids.values())   # one run per check, no more
 
-    opened.end_running("KILLED")   # the checks stopped (Ctrl-C) before c2's verdict
+    with contextlib.suppress(KeyboardInterrupt), opened:   # the checks stopped (Ctrl-C) before c2's verdict
+        raise KeyboardInterrupt
     assert client.get_run(ids["c2"]).info.status == "KILLED"
     assert client.get_run(ids["c1"]).info.status == "FINISHED"
 
@@ -53,7 +55,8 @@ def test_a_run_left_running_by_a_driver_that_is_gone_is_ended_by_the_next_check(
     cfg = {"enabled": True, "uri": f"sqlite:///{tmp_path}/mlflow.db", "experiment": "ttrace"}
     rec = compose(["parallel=tp2", "tracking.enabled=true"])
     report = lambda c: {"check_id": c, "recipe": rec, "job": {"label": "builtin"}, "timings": {}}
-    ids = tracking.OpenedRuns([(cfg, report(c)) for c in ("dead", "live", "elsewhere")], str(tmp_path)).join()
+    checks = [(cfg, report(c)) for c in ("dead", "live", "elsewhere")]
+    ids = tracking.OpenedRuns(checks, str(tmp_path)).start().join()
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     me = f"{socket.gethostname()}:{os.getpid()}"
     assert client.get_run(ids["live"]).data.tags[tracking.DRIVER_TAG] == me
@@ -62,7 +65,7 @@ def test_a_run_left_running_by_a_driver_that_is_gone_is_ended_by_the_next_check(
     client.set_tag(ids["dead"], tracking.DRIVER_TAG, f"{socket.gethostname()}:{int(gone.stdout)}")
     client.set_tag(ids["elsewhere"], tracking.DRIVER_TAG, f"another-host:{int(gone.stdout)}")   # not ours
 
-    new = tracking.OpenedRuns([(cfg, report("next"))], str(tmp_path)).join()["next"]
+    new = tracking.OpenedRuns([(cfg, report("next"))], str(tmp_path)).start().join()["next"]
     dead = client.get_run(ids["dead"])
     assert dead.info.status == "KILLED" and "was gone" in dead.data.tags["ttrace.ended"]
     assert [client.get_run(ids[c]).info.status for c in ("live", "elsewhere")] == ["RUNNING", "RUNNING"]
