@@ -89,7 +89,11 @@ def test_round_trip_reassembles_sharded_tensors(tmp_path):
     assert torch.equal(cand.tensors["0/-/fc.weight/param"].tensor, FULL_FC.double())
     assert torch.allclose(cand.tensors["0/-/out.weight/param_grad"].tensor,
                           ref.tensors["0/-/out.weight/param_grad"].tensor)
-    assert torch.equal(cand.tensors["0/0/fc/output"].tensor, ref.tensors["0/0/fc/output"].tensor)
+    # The output columns reassemble exactly from the ranks' shards (what each rank computed: the
+    # BLAS kernel of a narrower GEMM may round differently from the full one, e.g. on AVX-512 Xeons).
+    shards = [torch.nn.functional.linear(X, w) for w in FULL_FC.chunk(2, 0)]
+    assert torch.equal(cand.tensors["0/0/fc/output"].tensor, torch.cat(shards, -1).double())
+    assert torch.allclose(cand.tensors["0/0/fc/output"].tensor, ref.tensors["0/0/fc/output"].tensor)
 
 
 def test_clean_candidate_passes_and_scaled_one_diverges(traces):

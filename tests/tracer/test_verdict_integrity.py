@@ -220,6 +220,21 @@ def test_one_element_of_median_size_fails_in_bf16_by_its_row_and_column_noise(ad
         assert compare(ref, cand, pert, TolerancePolicy(k_rowcol=0.0)).verdict == "pass"
 
 
+def test_the_row_column_metric_judges_the_first_step_only(adam_check):
+    """After an optimizer step every run carries its own few Adam-amplified weight elements (gradients
+    within noise of eps or zero), each shifting a column of the next step's outputs: a structure no
+    row and column factor of the other runs describes (tracer.tolerance.rowcol_shape). So the metric
+    judges step 0's tensors, and a step-1 tensor of the same shape is left to the others."""
+    ref, pert, candidate = adam_check
+    results = compare(ref, candidate(), pert, TolerancePolicy()).results
+    judged = lambda step: {r.name.split("/", 1)[1] for r in results
+                           if r.step == step and math.isfinite(r.rowcol_tolerance)}
+    first = judged(0)
+    assert "1/layers.1.mlp.fc1/output" in first and "-/layers.1.mlp.fc1.weight/param_grad" in first
+    assert len(first) > 20 and not judged(1)
+    assert "1/layers.1.mlp.fc1/output" in {r.name.split("/", 1)[1] for r in results if r.step == 1}
+
+
 def test_a_scalar_is_judged_by_its_norm_not_its_microbatchs_envelope(tmp_path):
     """A microbatch's loss is one element: its norm-wise error is that element's, judged against the
     noise of every microbatch of the step (here the 16-ulp floor). Its elementwise scale, this
