@@ -32,10 +32,16 @@ def replay(recipe: dict[str, Any]) -> bool:
         return mode == "replay"
     if microbatches_differ(recipe):
         return False
-    job, trace = recipe.get("job") or {}, recipe.get("trace") or {}
+    moe = int(recipe["model"].get("experts") or 0) > 0
+    return builtin_low_precision(recipe) and moe and traces(recipe.get("trace") or {}, "output")
+
+
+def builtin_low_precision(recipe: dict[str, Any]) -> bool:
+    """Is the check's job the built-in trainer (recipe.job_of: neither job.command nor another
+    job.entrypoint set) in bf16 or fp8?"""
+    job = recipe.get("job") or {}
     builtin = not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
-    moe = int(recipe["model"].get("experts") or 0) > 0   # (recipe.job_of: neither set is the built-in)
-    return builtin and moe and recipe["precision"].get("name") in ("bf16", "fp8") and traces(trace, "output")
+    return builtin and recipe["precision"].get("name") in ("bf16", "fp8")
 
 
 def validate(recipe: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ def test_fp8_tp2_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir)
     assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
     dtypes = {t["name"]: t for t in clean.report["tensors"]}
     assert dtypes["0/0/layers.0.attn.qkv/output"]["rel_err"] == 0.0   # same scales: bit-exact shards
+    assert "grad_signs" not in clean.report["reference"]   # dense fp8 keeps its own grad signs
     buggy = check(workdir, "parallel=tp2", "precision=fp8", "bug=fp8_amax_unreduced",
                   "tracking.enabled=false", "localize=false", *SMALL)
     assert buggy.verdict == "fail" and buggy.exit_code == 1
@@ -21,6 +22,9 @@ def test_fp8_tp2_clean_passes_and_unreduced_amax_is_caught(ray_cluster, workdir)
 def test_bf16_sequence_parallel_clean_passes(ray_cluster, workdir):
     clean = check(workdir, "parallel=tp2_sp", "precision=bf16", "tracking.enabled=false")
     assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    # A dense bf16 check replays the reference's grad signs (orchestrator/grad_signs.py), routing no.
+    ref = clean.report["reference"]
+    assert ref.get("grad_signs") == "replay" and "routing" not in ref
     # The elementwise metric and its tolerance are reported for every tensor.
     assert all(t["elem_tolerance"] >= 1.0 for t in clean.report["tensors"])
 

@@ -88,9 +88,17 @@ def test_a_reference_of_another_shape_is_an_error(tmp_path):
 def test_which_checks_replay_grad_signs():
     moe = ["model=moe_tiny", "tracking.enabled=false"]
     bf16 = recipe.compose([*moe, "precision=bf16"])
-    assert grad_signs.replay(bf16) and routing.replay(bf16)                  # auto: where routing replays
+    assert grad_signs.replay(bf16) and routing.replay(bf16)
     assert not grad_signs.replay(recipe.compose([*moe, "precision=fp32"]))
-    assert not grad_signs.replay(recipe.compose(["precision=bf16"]))          # dense: auto leaves it off
+    # auto: the built-in trainer in bf16, dense models too (routing replays MoE only); fp8 where routing
+    # replays (MoE); never fp32
+    dense_bf16 = recipe.compose(["precision=bf16"])
+    assert grad_signs.replay(dense_bf16) and not routing.replay(dense_bf16)
+    assert grad_signs.replay(recipe.compose([*moe, "precision=fp8"]))
+    assert not grad_signs.replay(recipe.compose(["precision=fp8"]))
+    assert not grad_signs.replay(recipe.compose(["precision=fp32"]))
+    torch_native = ["job=torch_native", "model=llama_tiny"]
+    assert not grad_signs.replay(recipe.compose([*torch_native, "precision=bf16"]))   # a user's job: asked
     assert grad_signs.replay(recipe.compose(["precision=bf16", "tolerance.grad_signs=replay"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "tolerance.grad_signs=own"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "trace.kinds=[output,param]"]))
