@@ -142,7 +142,10 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
             if lost:
                 raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
                                  f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
-        b = band(ref, perts, symmetric=True)   # perts: per-step views of the perturbed runs
+        # perts: per-step views of the perturbed runs. The initial parameters (step -1) are the
+        # reference's in every run perturbed by GEMM rounding draws (bf16, fp8), which move nothing
+        # before the first step: a zero band there, every later step must have moved.
+        b = band(ref, perts, symmetric=True, must_move=step >= 0, where=f" at step {step}")
         pairs = pair_noise(b, ref)
         noise = {f[1:]: [max(a, c) for a, c in zip(x, pairs.get(f, x), strict=True)]
                  for f, x in b.pooled.items()}

@@ -84,17 +84,22 @@ class Band:
         return (e["step"], name.split("/", 2)[2].rsplit("/", 1)[0], e["kind"])
 
 
-def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace], symmetric: bool = False) -> Band:
+def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace], symmetric: bool = False,
+         must_move: bool = True, where: str = "") -> Band:
     """The perturbed runs' band around the reference (errors: a perturbation that did not apply, a
-    reference or perturbed run with non-finite values); `symmetric`: see Band."""
+    reference or perturbed run with non-finite values); `symmetric`: see Band. `must_move=False`: the
+    runs may all equal the reference (a scan's initial parameters, step -1, before GEMM rounding draws
+    have moved anything: the band is then zero and the candidate must match bit for bit). `where`
+    names the part of the run in errors (a scan's step)."""
     order = reference.order
     ref = {n: logical_stats(reference, n) for n in order}
     pert = [{n: logical_stats(p, n) for n in order} for p in perturbed]
     still = [p.run for p, ps in zip(perturbed, pert, strict=True)
              if all(ps[n].hash == ref[n].hash for n in order)]
-    if still:
+    if still and must_move:
         raise TraceError(f"perturbed reference run(s) {still} are bit-identical to reference "
-                         f"'{reference.run}' in all {len(order)} tensors: the perturbation did not apply, so "
+                         f"'{reference.run}' in all {len(order)} tensors{where}: the perturbation did not "
+                         "apply, so "
                          "no tolerance can be estimated (a job must call tr.attach(model) after its weights "
                          "are set)")
     for n in order:

@@ -61,3 +61,16 @@ def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_clu
     assert rerun["verdict"] == "fail" and at in rerun["steps"], rerun
     culprit = res.report["culprit"]
     assert fnmatch.fnmatch(culprit["module"], module) and culprit["step"] == at, culprit
+
+
+def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cluster, workdir):
+    """bf16 perturbed runs are moved by GEMM rounding draws, which move nothing before the first step:
+    their initial parameters (step -1) are the reference's. That step's band is zero (the candidate's
+    initial parameters are held to the floor), and every later step must have moved (before this, a
+    bf16 or fp8 scan always ended in 'the perturbation did not apply')."""
+    res = scan(workdir, "bf16", "steps=2", "precision=bf16", "parallel=tp2", "tracking.enabled=false")
+    assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
+    steps = res.report["scan"]["steps"]
+    assert [x["step"] for x in steps] == [-1, 0, 1] and all(x["ok"] for x in steps)
+    # step -1: the same initial weights, off only by the float64 rounding of combining shard statistics
+    assert steps[0]["worst"] < 1e-3 and all(x["worst"] > 1e-3 for x in steps[1:])
