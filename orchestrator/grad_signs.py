@@ -12,18 +12,14 @@ traced and before the optimizer reads them. The traced grads are the run's own a
 before; the update no longer amplifies noise into a discrete move.
 
 `auto` replays for the built-in trainer in bf16 (every model family) and where routing replays (its
-MoE models in fp8), traced in full: the perturbed references and candidate start after the reference
-(orchestrator/routing.order_jobs). It began with MoE models only (dense checks passed without it on
-seeds 8-11, on an AMD EPYC CPU). On an Intel Xeon, whose BLAS rounds TP-sharded GEMMs differently
-from whole ones, a dense llama_tiny_kv2 bf16 seed-26 check failed at step 1 in four tp2 recipes: one
-element of `layers.1.mlp.down.bias` stepped +lr where the reference's stepped -lr, and column 11 of
-the next step's `mlp.down` output moved by 75% of its rms. Dense fp8 does not replay: its honest
-grads are ~10% off element by element, so its step-1 updates differ in size, not only in sign, and
-the perturbed runs' own sign flips are what made their post-step envelope wide enough (with replay,
-seed 27's gpt_tiny fp8 tp2 checks failed at `1/-/layers.0.ln2.bias/param`, 5 of 11; without, 0; see
-docs/tolerance.md, "Grad-sign replay"). fp32 replays only when asked: a sign there flips only at a
-gradient within fp32 noise of zero. `replay` turns it on for any check whose reference traces its
-param grads in full (a user's job too: tracer/grad_signs.py).
+MoE models in fp8), traced in full: the perturbed references and candidate then start after the
+reference (orchestrator/routing.order_jobs). Dense bf16 joined after a false positive on an Intel
+Xeon (a `mlp.down.bias` update flipped, moving a column of the next step's output by 75% of its rms).
+Dense fp8 stays out: its honest grads are ~10% off element by element, so its step-1 updates differ
+in size, not only sign, and the perturbed runs' own flips are what keep their post-step envelope
+wide enough (with replay, 5 of 11 gpt_tiny fp8 checks failed on seed 27; without, 0). fp32 replays
+only when asked. `replay` turns it on for any check whose reference traces its param grads in full
+(a user's job too: tracer/grad_signs.py). Measurements: docs/tolerance.md, "On an Intel Xeon".
 """
 
 from __future__ import annotations
@@ -41,9 +37,8 @@ def replay(recipe: dict[str, Any]) -> bool:
     mode = recipe["tolerance"].get("grad_signs", "auto")
     if mode != "auto":
         return mode == "replay"
-    bf16 = recipe["precision"].get("name") == "bf16"
-    return ((bf16 and routing.builtin_low_precision(recipe) or routing.replay(recipe))
-            and routing.traces(recipe.get("trace") or {}, "param_grad"))
+    bf16 = recipe["precision"].get("name") == "bf16" and routing.builtin(recipe)
+    return (bf16 or routing.replay(recipe)) and routing.traces(recipe.get("trace") or {}, "param_grad")
 
 
 def validate(recipe: dict[str, Any]) -> None:

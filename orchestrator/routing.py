@@ -33,15 +33,15 @@ def replay(recipe: dict[str, Any]) -> bool:
     if microbatches_differ(recipe):
         return False
     moe = int(recipe["model"].get("experts") or 0) > 0
-    return builtin_low_precision(recipe) and moe and traces(recipe.get("trace") or {}, "output")
+    low = recipe["precision"].get("name") in ("bf16", "fp8")
+    return builtin(recipe) and moe and low and traces(recipe.get("trace") or {}, "output")
 
 
-def builtin_low_precision(recipe: dict[str, Any]) -> bool:
+def builtin(recipe: dict[str, Any]) -> bool:
     """Is the check's job the built-in trainer (recipe.job_of: neither job.command nor another
-    job.entrypoint set) in bf16 or fp8?"""
+    job.entrypoint set)?"""
     job = recipe.get("job") or {}
-    builtin = not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
-    return builtin and recipe["precision"].get("name") in ("bf16", "fp8")
+    return not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
 
 
 def validate(recipe: dict[str, Any]) -> None:

@@ -89,7 +89,7 @@ def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace], symmetric: 
     """The perturbed runs' band around the reference (errors: a perturbation that did not apply, a
     reference or perturbed run with non-finite values); `symmetric`: see Band. `must_move=False`: the
     runs may all equal the reference (a scan's initial parameters, step -1, before GEMM rounding draws
-    have moved anything: the band is then zero and the candidate must match bit for bit). `where`
+    have moved anything: the band is then zero and the candidate is held to the floor). `where`
     names the part of the run in errors (a scan's step)."""
     order = reference.order
     ref = {n: logical_stats(reference, n) for n in order}
@@ -99,9 +99,8 @@ def band(reference: LogicalTrace, perturbed: Sequence[LogicalTrace], symmetric: 
     if still and must_move:
         raise TraceError(f"perturbed reference run(s) {still} are bit-identical to reference "
                          f"'{reference.run}' in all {len(order)} tensors{where}: the perturbation did not "
-                         "apply, so "
-                         "no tolerance can be estimated (a job must call tr.attach(model) after its weights "
-                         "are set)")
+                         "apply, so no tolerance can be estimated (a job must call tr.attach(model) after "
+                         "its weights are set)")
     for n in order:
         if not ref[n].finite:
             raise TraceError(f"{n}: the reference itself has non-finite values; the recipe diverges even on "

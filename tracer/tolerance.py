@@ -152,12 +152,10 @@ def rowcol_shape(shape: Sequence[int], kind: str = "", after_update: bool = Fals
     """(rows, columns) the row-column metric views a tensor as, or None if it does not judge it: too
     few rows or columns for the model, a post-step `param` (judged through its excusal), or a tensor
     computed `after_update`, i.e. after the trace's first optimizer step. The separable model is
-    that of rounding noise in a computation from identical weights. After a step, each run also
-    carries its own few Adam-amplified weight elements (a gradient within noise of Adam's eps or of
-    zero moves its update by up to 2 lr), and each such element shifts a whole column of the next
-    step's outputs: a sparse, run-specific structure that no row and column factor of R other runs
-    describes (an honest fp32 DTensor tp2_sp candidate read 26.5 of its row's and column's noise at
-    step 1 on an Intel Xeon CPU; docs/tolerance.md "Single elements")."""
+    that of rounding noise from identical weights; after a step each run also carries its own few
+    Adam-amplified weight elements (gradients within noise of eps or zero), each shifting a whole
+    column of the next step's outputs, which no row and column factor of the other runs describes
+    (docs/tolerance.md, "Single elements")."""
     if (kind == "param" or after_update or len(shape) < 2
             or min(shape[-1], math.prod(shape) // shape[-1]) < ROWCOL_MIN):
         return None
