@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator import cluster, inputs, layouts, recipe, routing, storage
 from orchestrator.isolation_pass import isolate, wants_isolation
 from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
+from orchestrator.prefetch import ReferencePrefetch
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import commit, share_references
@@ -41,6 +42,8 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     plans = [_plan(rec, out, base_dir) for rec, out in items]
     live = [p for p in plans if p.error is None]
     refsets = share_references(live, base_dir)
+    prefetch = ReferencePrefetch(refsets)   # each set read while the candidates run
+    prefetch.poll()                         # cache hits: now
     routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
     tracked = [(p.rec["tracking"], p.report) for p in live if p.rec.get("tracking", {}).get("enabled", False)]
@@ -52,7 +55,11 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
                 cpus = max(float(p.rec["cluster"]["cpus_per_rank"]) for p in live)
                 timeout = max(float(p.rec["timeout_s"]) for p in live)
                 t0 = time.perf_counter()
-                with JobProgress(progress) as on_change:
+                with JobProgress(progress) as shown:
+                    def on_change(jobs: list[cluster.Job]) -> None:
+                        if shown is not None:
+                            shown(jobs)
+                        prefetch.poll()
                     cluster.run_jobs(jobs, cpus_per_rank=cpus, timeout_s=timeout,
                                      error_dir=live[0].output_dir / "errors", on_change=on_change)
                 wall = time.perf_counter() - t0
@@ -65,7 +72,7 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
             for rs in refsets:
                 commit(rs)
             for p in plans:
-                _judge(p)
+                _judge(p, prefetch)
             to_isolate = [p for p in plans if p.comparison is not None and wants_isolation(p)]
             keep = {id(p) for p in to_isolate}
             for p in plans:   # loaded traces are kept only for the isolation pass (memory of large sweeps)
@@ -102,7 +109,7 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
     return p
 
 
-def _judge(p: PlannedCheck) -> None:
+def _judge(p: PlannedCheck, prefetch: ReferencePrefetch) -> None:
     """Compare the candidate with the reference; any failure to do so becomes p.error."""
     timings, report = p.report["timings"], p.report
     try:
@@ -127,10 +134,12 @@ def _judge(p: PlannedCheck) -> None:
         if failed:
             raise TTraceError("; ".join(failed))
         t0 = time.perf_counter()
-        # Read as the comparison walks them: a few parts per rank in memory, not the runs. Each run is
-        # reassembled by its own layout (the reference's: reference.parallel).
-        reference = load_logical(rs.url, "reference", rs.world_size, lazy=True)
-        perturbed = [load_logical(rs.url, run, rs.world_size, lazy=True) for run in rs.runs[1:]]
+        # The reference set as read while the candidate ran (orchestrator/prefetch.py); the candidate
+        # read as the comparison walks it, a few parts per rank in memory. Each run is reassembled by
+        # its own layout (the reference's: reference.parallel).
+        reference, perturbed = prefetch.traces(rs)
+        if (ahead := prefetch.seconds_of(rs)) is not None:
+            timings["reference_read_ahead"] = ahead
         candidate = load_logical(p.store_url, "candidate", p.candidate.world_size, lazy=True)
         policy = TolerancePolicy.from_config(p.rec["tolerance"])
         per_step = recipe.microbatches_differ(p.rec)

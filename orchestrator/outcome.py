@@ -73,6 +73,18 @@ def keep_logs(p: PlannedCheck, jobs: list[cluster.Job]) -> None:
             logs[job.name] = paths
 
 
+def report_text(report: dict[str, Any]) -> str:
+    """report.json's text: indented, each tensor's row on a line of its own. (Indenting every row's
+    fields runs json's pure-Python encoder: 24 ms per write of the demo's 849 rows, against 11 ms
+    with the rows encoded compactly, by its C encoder.)"""
+    rows = report.get("tensors")
+    if not rows:
+        return json.dumps(report, indent=1, default=str)
+    head = json.dumps({**report, "tensors": []}, indent=1, default=str)
+    body = ",\n".join("  " + json.dumps(row, default=str) for row in rows)
+    return head.replace('\n "tensors": []', '\n "tensors": [\n' + body + "\n ]", 1)
+
+
 def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None,
            run_id: str | None = None) -> CheckResult:
     """Write the check's report (json, html) and log it to its MLflow run (`run_id`: opened while its
@@ -85,7 +97,7 @@ def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None,
         report.update(verdict="error", error=message, first_divergence=None, tensors=[])
 
     report_path = p.output_dir / "report.json"
-    report_path.write_text(json.dumps(report, indent=1, default=str))
+    report_path.write_text(report_text(report))
     html_path = p.output_dir / "report.html"
     try:
         from orchestrator.report.html import write_html
@@ -104,5 +116,5 @@ def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None,
             report["tracking_error"] = f"{type(e).__name__}: {e}"
     timings["tracking"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - p.t_start
-    report_path.write_text(json.dumps(report, indent=1, default=str))
+    report_path.write_text(report_text(report))
     return CheckResult(verdict, report_path, report, message)

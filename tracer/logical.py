@@ -58,6 +58,19 @@ class LogicalTrace:
             got = self._shapes[name] = tuple(shape)
         return got
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the part files a lazily opened run has still to read (0 once read whole)."""
+        return self.tensors.stored_bytes if isinstance(self.tensors, StoredTensors) else 0
+
+    def read_whole(self) -> None:
+        """Read, verify and reassemble every tensor now (a lazily opened run; a stats-mode run has no
+        values to read): later lookups are dictionary lookups."""
+        if isinstance(self.tensors, StoredTensors) and self.mode != "stats":
+            with gc_paused():
+                stored = self.tensors
+                self.tensors = {n: stored[n] for n in self.order}
+
     def release(self) -> None:
         """Drop the parts a lazily read run holds after lookups outside a comparison's walk
         (StoredTensors.release); nothing for a run read whole."""
@@ -92,10 +105,11 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
         # Execution order: by step, then the record order of the lowest rank holding the tensor (the
         # reference has a single rank, whose order is the one the comparison walks).
         order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
-        lazy = lazy or mode == "stats"
-        tensors: Mapping[str, Assembled] = stored if lazy else {n: stored[n] for n in order}
-        return LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, tensors,
-                            dict(stored.sizes), mode)
+        trace = LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, stored,
+                             dict(stored.sizes), mode)
+        if not lazy:
+            trace.read_whole()
+        return trace
 
 
 class StoredTensors(Mapping[str, Assembled]):
@@ -132,6 +146,7 @@ class StoredTensors(Mapping[str, Assembled]):
         self._ahead: set[tuple[int, str]] = set()              # parts whose successors were read ahead
         self._layouts: dict[str, Layout] = {}                  # name -> parsed layout (parsed once)
         self.resident_max = 0                                   # most parts held at once (bench, tests)
+        self.stored_bytes = sum(int(f["bytes"]) for rt in ranks for f in rt.manifest["files"])
 
     def __len__(self) -> int:
         return len(self._pieces)

@@ -409,3 +409,52 @@ def test_gc_frozen_keeps_old_objects_out_of_gc_passes_and_leaves_a_users_freeze_
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def _reference_set(root: Path, jobs: list | None = None):
+    from orchestrator.refcache import ReferenceSet
+
+    return ReferenceSet("key", str(root), str(root), ["reference", "perturbed-0"], "hit", jobs=jobs or [])
+
+
+def test_a_reference_set_read_ahead_is_compared_as_if_read_while_walked(traces):
+    """orchestrator/prefetch.py: a set whose jobs are done is read whole on a background thread, within
+    the budget; over it, or while a job still runs, it is read as the comparison walks it. The
+    figures are the same either way."""
+    from types import SimpleNamespace
+
+    from orchestrator.prefetch import ReferencePrefetch
+    from tracer.logical import StoredTensors
+
+    write_run(traces, "candidate", tp=2, fc_scale=1.01)
+    policy = TolerancePolicy()
+    walk = lambda run, ranks=1: load_logical(str(traces), run, ranks, lazy=True)
+    walked = compare(walk("reference"), walk("candidate", 2), [walk("perturbed-0")], policy)
+    assert walked.verdict == "fail"
+    running = SimpleNamespace(state="running")
+    for budget, jobs, read_ahead in ((1 << 30, [], True), (100, [], False), (1 << 30, [running], False)):
+        rs = _reference_set(traces, jobs)
+        prefetch = ReferencePrefetch([rs], budget_bytes=budget)
+        prefetch.poll()
+        reference, perturbed = prefetch.traces(rs)
+        assert isinstance(reference.tensors, StoredTensors) != read_ahead, (budget, jobs)
+        assert (prefetch.seconds_of(rs) is not None) == read_ahead
+        got = compare(reference, walk("candidate", 2), perturbed, policy)
+        assert got.to_json() == walked.to_json()
+    running.state = "done"   # the job ended: the next poll reads the set
+    prefetch.poll()
+    assert not isinstance(prefetch.traces(rs)[0].tensors, StoredTensors)
+
+
+def test_a_corrupt_part_of_a_reference_set_read_ahead_is_the_same_error(traces):
+    from orchestrator.prefetch import ReferencePrefetch
+
+    part = next((traces / "perturbed-0" / "rank00000").glob("part-*.safetensors"))
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    rs = _reference_set(traces)
+    prefetch = ReferencePrefetch([rs])
+    prefetch.poll()
+    with pytest.raises(TraceError, match=r"perturbed-0/rank00000/part-.* is truncated or corrupt.*checksum"):
+        prefetch.traces(rs)
