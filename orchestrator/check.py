@@ -42,8 +42,9 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     plans = [_plan(rec, out, base_dir) for rec, out in items]
     live = [p for p in plans if p.error is None]
     refsets = share_references(live, base_dir)
-    prefetch = ReferencePrefetch(refsets)   # each set read while the candidates run
-    prefetch.poll()                         # cache hits: now
+    # Every set read while the candidates run: cache hits (not in refsets, nothing to compute) now.
+    prefetch = ReferencePrefetch(list({id(p.refs): p.refs for p in live if p.refs is not None}.values()))
+    prefetch.poll()
     routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
     tracked = [(p.rec["tracking"], p.report) for p in live if p.rec.get("tracking", {}).get("enabled", False)]

@@ -54,6 +54,9 @@ def test_sweep_computes_each_distinct_reference_once_and_reuses_the_cache(ray_cl
     assert proc.returncode == 0, [(r.get("error"), r.get("first_divergence")) for r in reps]
     assert all(r["verdict"] == "pass" for r in reps), [r.get("first_divergence") for r in reps]
     assert all(set(r["timings"]) >= {"ray_start", "jobs", "compare", "tracking", "total"} for r in reps)
+    # The shared set was read while the candidates ran (orchestrator/prefetch.py), once for both.
+    ahead = {r["timings"]["reference_read_ahead"] for r in reps}
+    assert len(ahead) == 1, ahead
     by_key = defaultdict(list)
     for r in reps:
         by_key[r["reference"]["key"]].append(r)
@@ -78,6 +81,7 @@ def test_sweep_computes_each_distinct_reference_once_and_reuses_the_cache(ray_cl
                                                                   for r in again.values()]
     assert again[True]["reference"]["cache"] == "hit" and again[True]["reference"]["url"] == url1
     assert "reference" not in again[True]["timings"]["jobs"]
+    assert all("reference_read_ahead" in r["timings"] for r in again.values())   # a hit too, from the start
     assert again[False]["reference"]["cache"] == "off" and again[False]["reference"]["url"] != url1
     assert len(attempts(workdir, key1)) == 2
 
