@@ -32,7 +32,8 @@ from bench.tolerance_trained import text_tokens, train_checkpoint  # noqa: E402
 from orchestrator import recipe  # noqa: E402
 from orchestrator.check import run_checks  # noqa: E402
 from tracer.checkpoint import INDEX  # noqa: E402
-from tracer.compare import compare, tensor_keys  # noqa: E402
+from tracer.compare import compare  # noqa: E402
+from tracer.compare_inputs import tensor_keys  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.measure import measure  # noqa: E402
 from tracer.tolerance import TolerancePolicy  # noqa: E402

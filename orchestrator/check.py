@@ -148,7 +148,8 @@ def _judge(p: PlannedCheck, prefetch: ReferencePrefetch) -> None:
             report["reference"]["compared"] = (
                 f"param_grad and param only: the reference cuts the global batch into microbatches of "
                 f"{p.rec['reference']['micro_batch']}, the candidate into {p.rec['data']['micro_batch']}")
-        p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step)
+        p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step,
+                               prepared=prefetch.prepared(rs))
         p.loaded = (reference, perturbed)
         if p.comparison.verdict == "fail" and not per_step:   # an MoE FAIL: tokens that changed experts
             flips = routing_flips(reference, candidate, perturbed, int(p.rec["model"].get("top_k", 2)))

@@ -124,7 +124,7 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
     queue_deadline = time.monotonic() + max(limit(j) for j in jobs) * max(1, len(jobs)) if jobs else 0.0
     try:
         while running:
-            waiting: list[ray.ObjectRef] = []   # what this pass saw unfinished: the next pass waits on it
+            unfinished: list[ray.ObjectRef] = []   # what this pass saw unfinished: the next pass waits on it
             for key, (job, reservation, refs, started) in list(running.items()):
                 if reservation is None:   # waiting for job.after
                     if job.after.state == "done":
@@ -142,7 +142,7 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                         refs = _launch(job, pg)
                         running[key] = (job, (pg, pg_ready), refs, time.monotonic())
                         job.state = "running"
-                        waiting += refs
+                        unfinished += refs
                         notify()
                     elif time.monotonic() > queue_deadline:
                         job.error = (f"job '{job.name}' could not be scheduled: no room for "
@@ -151,10 +151,10 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                         _finish(running, key, cancel=True)
                         notify()
                     else:
-                        waiting.append(pg_ready)
+                        unfinished.append(pg_ready)
                     continue
                 done, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-                waiting += pending
+                unfinished += pending
                 if any(_failed(r) for r in done):
                     # Give the peers a moment to fail too, so the root cause (the rank that raised or
                     # died first) is reported beside the collective errors it caused.
@@ -184,8 +184,8 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                                  "just slow")
                     _finish(running, key, cancel=True)
                     notify()
-            if running and waiting:   # until the first of them finishes: a job is seen done when it is
-                ray.wait(waiting, num_returns=1, timeout=POLL_S)
+            if running and unfinished:   # until the first of them finishes: a job is seen done when it is
+                ray.wait(unfinished, num_returns=1, timeout=POLL_S)
             elif running:             # only jobs waiting for another's end (seen on the next pass)
                 time.sleep(POLL_S)
     finally:

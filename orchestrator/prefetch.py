@@ -1,18 +1,23 @@
-"""The reference set read while the candidate still runs.
+"""The reference set read, and its side of the measurement prepared, while the candidate still runs.
 
 A check's reference and perturbed runs usually finish before its candidate (one device against a
-gang of ranks), and a cached set is complete before any job starts. Their traces are then read,
-checksum-verified and reassembled on a background thread in that time, so once the candidate is
-done the comparison reads only the candidate. Measured on warm demo checks on 2 cores (medians of 6,
-interleaved with the read-ahead off): the comparison after the last job took 0.48 s against 0.62 s
-(fresh store) and 0.50 s against 0.65 s (cache hit), but the thread takes its CPU from the
-candidate's ranks, which ran 7-9% longer: the check's wall time fell 2% (2.21 -> 2.15 s) and 5%
-(1.60 -> 1.52 s). With cores to spare on the driver's node the whole read is off the critical path.
+gang of ranks), and a cached set is complete before any job starts. In that time a background
+thread reads, checksum-verifies and reassembles their traces, then computes everything of the
+measurement that needs no candidate (tracer/reference_side.py: with 3 perturbed runs, most of
+it); once the candidate is done the comparison reads the candidate and measures it against that.
+Checks of a sweep that share the set share both. Measured on warm demo checks on 2 cores (medians of
+6, interleaved with this off): the comparison after the last job took 0.32 s against 0.61 s (fresh
+store) and 0.35 s against 0.62 s (cache hit); the check's wall time 1.99 against 2.35 s and 1.43
+against 1.55 s. The thread takes its CPU from the candidate's ranks on so few cores (the cache-hit
+candidate ran 0.83 s against 0.68 s); with cores to spare on the driver's node it is off the
+critical path altogether.
 
-A set is read whole into memory only while every set read ahead stays under BUDGET_BYTES (stored
-bytes); a larger one is read as the comparison walks it, a few parts at a time (tracer/logical.py),
-as before. Reading ahead changes when the bytes are read, never what is compared: a corrupt or
-missing part raises the same error at the same check, from `traces`.
+A set is read whole and prepared only while every set read ahead stays under BUDGET_BYTES (stored
+bytes; its prepared side holds about 3x the reference's bytes again); a larger one is read as the
+comparison walks it, a few parts at a time (tracer/logical.py), as before. Reading ahead changes
+when the work is done, never what is compared (the figures are the same bit for bit): a corrupt or
+missing part raises the same error at the same check, from `traces`, and a set the measurement
+rejects is left to the comparison, which says why.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from orchestrator.refcache import ReferenceSet
+from tracer.compare_inputs import prepare_reference_side
+from tracer.errors import TTraceError
 from tracer.logical import LogicalTrace, load_logical
+from tracer.reference_side import ReferenceSide
 
 BUDGET_BYTES = 1 << 30   # stored bytes of all sets read ahead at once (their tensors stay in memory)
 
@@ -34,7 +42,7 @@ class ReferencePrefetch:
     def __init__(self, refsets: list[ReferenceSet], budget_bytes: int = BUDGET_BYTES):
         self.budget = budget_bytes
         self._sets = refsets
-        self._reads: dict[int, Future] = {}       # id(refset) -> future of (reference, perturbed)
+        self._reads: dict[int, Future] = {}       # id(refset) -> future of (reference, perturbed, prepared)
         self._lock = threading.Lock()
         self.seconds: dict[int, float] = {}       # id(refset) -> how long reading it ahead took
 
@@ -51,7 +59,12 @@ class ReferencePrefetch:
         """The set's reference and perturbed runs, as read ahead (waiting for the read to end) or opened
         to be read as the comparison walks them. Raises what reading them raises."""
         fut = self._reads.get(id(rs))
-        return fut.result() if fut is not None else _open(rs)
+        return fut.result()[:2] if fut is not None else _open(rs)
+
+    def prepared(self, rs: ReferenceSet) -> dict[str, ReferenceSide] | None:
+        """The set's side of the measurement, prepared ahead with it (None: not read ahead)."""
+        fut = self._reads.get(id(rs))
+        return fut.result()[2] if fut is not None else None
 
     def seconds_of(self, rs: ReferenceSet) -> float | None:
         """How long reading the set ahead took (None: it was not read ahead)."""
@@ -65,11 +78,16 @@ class ReferencePrefetch:
             with self._lock:
                 fits = size <= self.budget
                 self.budget -= size if fits else 0
+            prepared = None
             if fits:
                 for t in (runs[0], *runs[1]):
                     t.read_whole()
+                try:   # a set the comparison cannot measure fails there, with its own error, in order
+                    prepared = prepare_reference_side(*runs)
+                except TTraceError:
+                    prepared = None
                 self.seconds[id(rs)] = time.perf_counter() - t0
-            fut.set_result(runs)
+            fut.set_result((*runs, prepared))
         except BaseException as e:   # surfaced by `traces`, in the checks that read the set
             fut.set_exception(e)
 

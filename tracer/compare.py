@@ -10,58 +10,15 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import torch
-
-from tracer.errors import LayoutMismatch, TraceError
+from tracer.compare_inputs import ShapeCheckedReads, tensor_keys
+from tracer.errors import TraceError
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
-from tracer.measure import TensorKey, measure
+from tracer.measure import measure
+from tracer.reference_side import ReferenceSide
 from tracer.stats_compare import compare_stats
-from tracer.tolerance import TolerancePolicy, rowcol_shape, unit_roundoff
+from tracer.tolerance import TolerancePolicy, unit_roundoff
 from tracer.verdicts import Comparison, TensorResult
-
-
-class _ShapeCheckedReads(Mapping[str, torch.Tensor]):
-    """A run's tensors as the measurement reads them, each once, chunk by chunk (a stored run is
-    read as it goes, see tracer.logical). In the candidate (`replicas` given), a tensor whose pieces
-    do not reassemble to the reference's shape is a wrong layout: it is noted in `mismatch` (judged
-    as a verdict at its module) and measured as zeros; in a reference run it is an error."""
-
-    def __init__(self, trace: LogicalTrace, reference: LogicalTrace,
-                 replicas: dict[str, Assembled] | None = None):
-        self.trace, self.reference, self.replicas = trace, reference, replicas
-        self.mismatch: dict[str, str] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        want = self.reference.shape(name)
-        try:
-            got = self.trace.tensors[name]
-        except LayoutMismatch as e:
-            if self.replicas is None:
-                raise
-            return self._mismatched(name, want, str(e))
-        if tuple(got.tensor.shape) != want:
-            if self.replicas is not None:
-                return self._mismatched(name, want, f"candidate reassembles to shape "
-                                                    f"{tuple(got.tensor.shape)} but the reference has {want}")
-            raise TraceError(f"{name}: run '{self.trace.run}' has shape {tuple(got.tensor.shape)}, the "
-                             f"reference {want}; the reference set is inconsistent, recompute it")
-        if self.replicas is not None:
-            self.replicas[name] = got
-        return got.tensor
-
-    def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
-        assert self.replicas is not None
-        self.mismatch[name] = why
-        self.replicas[name] = Assembled(tensor=torch.empty(0))
-        dtype = getattr(torch, str(self.reference.info[name].get("dtype", "float32")), torch.float32)
-        return torch.zeros(want, dtype=dtype if dtype.is_floating_point else torch.float32)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.trace.tensors)
-
-    def __len__(self) -> int:
-        return len(self.trace.tensors)
 
 
 def _finite(x: float) -> float:
@@ -134,22 +91,16 @@ def beyond_limit(excused: int, beyond_noise: int, k: float) -> float:
     return k * (beyond_noise + 1 + BEYOND_RATE * excused)
 
 
-def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
-    """What the measurement needs of every reference tensor, in execution order. The row-column
-    metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape)."""
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    first = min((int(e["step"]) for e in reference.info.values() if int(e["step"]) >= 0), default=0)
-    key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
-                                        rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first))
-    return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]
-
-
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
-            policy: TolerancePolicy, *, per_step_only: bool = False) -> Comparison:
+            policy: TolerancePolicy, *, per_step_only: bool = False,
+            prepared: Mapping[str, ReferenceSide] | None = None) -> Comparison:
     """Judge every reference tensor against the candidate; raise TraceError on mismatched runs.
     `per_step_only`: judge the tensors of a whole step (param_grad, param) only, when the runs cut the
-    global batch into different microbatches (a reference without gradient accumulation)."""
+    global batch into different microbatches (a reference without gradient accumulation).
+    `prepared`: the reference set's side, made before the candidate was done
+    (tracer.compare_inputs.prepare_reference_side)."""
     if per_step_only:
+        prepared = None   # other tensors, other chunks
         reference, candidate = _per_step(reference), _per_step(candidate)
         perturbed = [_per_step(p) for p in perturbed]
     for other in (candidate, *perturbed):
@@ -189,9 +140,9 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     keys = tensor_keys(reference)
     replicas: dict[str, Assembled] = {}
-    arriving = _ShapeCheckedReads(candidate, reference, replicas)
-    stats = measure(keys, _ShapeCheckedReads(reference, reference), arriving,
-                    [_ShapeCheckedReads(p, reference) for p in perturbed], policy.k_elem)
+    arriving = ShapeCheckedReads(candidate, reference, replicas)
+    stats = measure(keys, ShapeCheckedReads(reference, reference), arriving,
+                    [ShapeCheckedReads(p, reference) for p in perturbed], policy.k_elem, prepared=prepared)
     _check_perturbed_moved(reference, perturbed, stats)
     for name in reference.order:
         if stats[name].ref_nonfinite:

@@ -7,6 +7,9 @@ every elementwise formula runs once per chunk, and per-tensor figures come from 
 reductions (see Blocks). Chunks stay cache-sized, and their temporaries come from the heap
 (tracer/heap.py).
 
+What needs no candidate is tracer/reference_side.py's: `prepare` computes it ahead for chunks
+without a post-step param, and `measure(..., prepared=)` then reads only the candidate there.
+
 The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err, elem_noise,
 rel_err, max_err, cosine, rowcol_*); tests/test_measure.py holds the two equal. Elementwise work
 runs in the widest dtype of the chunk's inputs (float32 for float32, bf16 and fp8 traces, so
@@ -28,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from tracer.blocks import Blocks, leave_one_out, max_rows, no_nan, ratio
-from tracer.chunk_pool import default_workers, ordered_map
+from tracer.chunk_pool import default_workers, ordered_map, single_threaded_ops
+from tracer.errors import TraceError
 from tracer.heap import heap_keeps_chunks
-from tracer.rowcol import rowcol_figures
+from tracer.reference_side import ReferenceSide, reference_side
+from tracer.rowcol import rowcol_err
 
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
 
@@ -115,16 +120,24 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
             k_elem: float, chunk_elems: int = CHUNK_ELEMS,
             excused_masks: dict[str, torch.Tensor] | None = None,
-            workers: int | None = None) -> dict[str, TensorStats]:
+            workers: int | None = None, prepared: Mapping[str, ReferenceSide] | None = None
+            ) -> dict[str, TensorStats]:
     """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
     chunk in that order, and must have key.numel elements (the caller checks shapes).
     `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
-    Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py); 1 measures
-    them one by one on this thread with torch's own intra-op threads."""
-    excusal = _Excusal(k_elem, excused_masks)
-    runs = (reference, candidate, *perturbed)
-    load = lambda chunk: [{k.name: run[k.name] for k in chunk} for run in runs]
-    work = lambda chunk, got: _measure_chunk(chunk, got[0], got[1], got[2:], excusal)
+    `prepared`: `prepare`'s reference sides (same keys and runs): a chunk found there reads only the
+    candidate. Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py)."""
+    excusal, prepared = _Excusal(k_elem, excused_masks), prepared or {}
+
+    def load(chunk: list[TensorKey]) -> tuple[ReferenceSide | None, list[Mapping[str, torch.Tensor]]]:
+        read = lambda run: {k.name: run[k.name] for k in chunk}
+        got, side = read(candidate), prepared.get(chunk[0].name)
+        # A candidate tensor in float64 (partial sums, a scaled record) widens the chunk: measured whole.
+        if side is not None and (side.dtype == torch.float64 or _dtype(side.names, [got]) == side.dtype):
+            return side, [{}, got]
+        return None, [read(reference), got, *map(read, perturbed)]
+
+    work = lambda chunk, loaded: _measure_chunk(chunk, *loaded[1][:2], loaded[1][2:], excusal, loaded[0])
     # A parameter path's excusal state is written by its param_grad and param: measured in order.
     touches = lambda chunk: {k.path for k in chunk if k.kind in ("param_grad", "param")}
     out: dict[str, TensorStats] = {}
@@ -135,26 +148,56 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     return out
 
 
+def prepare(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
+            perturbed: Sequence[Mapping[str, torch.Tensor]], chunk_elems: int = CHUNK_ELEMS
+            ) -> dict[str, ReferenceSide]:
+    """The reference side (tracer/reference_side.py) of every chunk without a post-step parameter,
+    keyed by the chunk's first tensor: what `measure` needs of the runs besides the candidate."""
+    out = {}
+    with single_threaded_ops():   # a background thread's work (orchestrator/prefetch.py): one core
+        for chunk in _chunks(keys, chunk_elems) if perturbed else []:
+            if not any(k.kind == "param" for k in chunk):
+                names, blocks = [k.name for k in chunk], Blocks([k.numel for k in chunk])
+                dtype = _dtype(names, [reference, *perturbed])
+                out[names[0]] = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk],
+                                               blocks, dtype, blocks.flat(reference, names, dtype),
+                                               [blocks.flat(p, names, dtype) for p in perturbed])
+    return out
+
+
+def _dtype(names: Sequence[str], runs: Sequence[Mapping[str, torch.Tensor]]) -> torch.dtype:
+    """The chunk's working dtype: float64 if any run holds a float64 tensor in it, else float32."""
+    wide = any(run[n].dtype == torch.float64 for run in runs for n in names)
+    return torch.float64 if wide else torch.float32
+
+
 def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
                    candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
-                   excusal: _Excusal) -> dict[str, TensorStats]:
+                   excusal: _Excusal, side: ReferenceSide | None = None) -> dict[str, TensorStats]:
     names = [k.name for k in chunk]
-    wide = any(run[n].dtype == torch.float64 for run in (reference, candidate, *perturbed) for n in names)
-    dtype = torch.float64 if wide else torch.float32
-    blocks = Blocks([k.numel for k in chunk])
+    if side is not None and side.names != tuple(names):
+        raise TraceError(f"the prepared reference side of chunk {names[0]!r} does not match the chunk "
+                         "(runs or keys changed since it was prepared); compare without it")
+    if side is not None:
+        dtype, blocks, r = side.dtype, side.blocks, side.r
+        ps: list[torch.Tensor] = []
+    else:
+        dtype = _dtype(names, [reference, candidate, *perturbed])
+        blocks = Blocks([k.numel for k in chunk])
+        r = blocks.flat(reference, names, dtype)
+        ps = [blocks.flat(p, names, dtype) for p in perturbed]
     lengths = torch.tensor(blocks.lens, dtype=torch.float64)
-    zero = torch.zeros(len(names), dtype=torch.float64)
-
-    r, c = blocks.flat(reference, names, dtype), blocks.flat(candidate, names, dtype)
-    ps = [blocks.flat(p, names, dtype) for p in perturbed]
-    d_full = [p - r for p in ps]
+    c = blocks.flat(candidate, names, dtype)
     dc_full = c - r   # once: for the figures, the excusal and the row-column metric
-    a_full = [d.abs() for d in d_full]
-    env_full = max_rows(a_full) if ps else torch.zeros_like(r)
+    has_runs = side is not None or bool(ps)   # perturbed runs (a prepared side is made of some)
+    if side is None:
+        d_full = [p - r for p in ps]
+        a_full = [d.abs() for d in d_full]
+        env_full = max_rows(a_full) if ps else torch.zeros_like(r)
 
-    # Params: update each path's mask with the elements its gradient deviation explains, then
-    # judge the elements outside the mask with the figures below, and the excused ones against
-    # bounds (excused_dev, beyond; tracer.compare): never unconditionally.
+    # Params (never in a prepared chunk): update each path's mask with the elements its gradient
+    # deviation explains, then judge the elements outside the mask with the figures below, and the
+    # excused ones against bounds (excused_dev, beyond; tracer.compare): never unconditionally.
     judged, counts = None, lengths
     params = [(i, k) for i, k in enumerate(chunk) if k.kind == "param"]
     n = len(names)
@@ -200,93 +243,50 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
                     beyond_noise[i] = max((int((flat(a_full[j])[sl][mask] > excusal.k * torch.maximum(
                         loo[sl][mask], room)).sum()) for j, loo in enumerate(loo_full)), default=0)
         counts = lengths - torch.tensor(excused, dtype=torch.float64)
-        keep = lambda x: torch.where(judged, x, 0.0)
-        d = [keep(x) for x in d_full]
-        a = [x.abs() for x in d]
-        env = max_rows(a) if ps else env_full
-    else:
-        keep = lambda x: x
-        d, a, env = d_full, a_full, env_full
+    if side is None:
+        side = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk], blocks, dtype, r, ps,
+                              d_full, a_full, judged, counts if judged is not None else None)
 
-    rj = keep(r)
-    dc = keep(dc_full)
+    # The candidate against the reference side: every figure over the judged elements.
+    dc = dc_full if judged is None else torch.where(judged, dc_full, 0.0)
     adc = dc.abs()
-    units = torch.tensor([k.unit for k in chunk], dtype=torch.float64)
-
-    rn2 = blocks.sumsq(rj)
-    rn = rn2.sqrt()
-    rms = torch.where(counts > 0, rn / counts.clamp_min(1).sqrt(), 0.0)
-    r_absmax = blocks.max(rj.abs())
-    mag = rj.abs() + blocks.per_block(rms, dtype)
-    pn = [blocks.sumsq(x).sqrt() for x in d]
-    noise_scl = [torch.where(rn > 0, x / rn.clamp_min(1e-300), 0.0) for x in pn]   # noise_scale's nu
-    # Norm-wise errors are relative to ||r|| of the whole tensor (a param's excused elements add no
-    # error, but its scale stays the tensor's: relative to the few judged elements of a mostly
-    # excused bias, one element's honest move read as 7-16% against a 16-ulp floor), or, for a
-    # reference that is exactly zero (a bias at init), to the largest perturbed run's norm:
-    # relative to nothing, every perturbed draw would be infinitely far and the tolerance infinite
-    # (tracer.compare.reference_norm).
-    rn_all = rn if judged is None else blocks.sumsq(r).sqrt()
-    rn_eff = torch.where(rn_all > 0, rn_all, max_rows(pn)) if ps else rn_all
-    noise = max_rows([ratio(x, rn_eff) for x in pn]) if ps else zero           # max_r rel_err(p_r, r)
-    # max_r max_i |p_ri - r_i| = max_i env_i: one reduction for all runs (likewise below)
-    max_noise = ratio(blocks.max(env), r_absmax) if ps else zero
-
-    # Leave-one-out elementwise noise of each perturbed run against the others' scale (fmax skips
-    # the 0/0 of elements no run moved), then the candidate against all runs' scale.
-    elem_noise = zero
-    if ps:
-        env_loo, nu_loo = leave_one_out(a), leave_one_out(noise_scl)
-        worst = None
-        for i in range(len(ps)):
-            q = a[i] / torch.addcmul(env_loo[i], mag, blocks.per_block(nu_loo[i] + units, dtype))
-            worst = q if worst is None else torch.fmax(worst, q)
-        elem_noise = blocks.max(no_nan(worst))
-    nu = max_rows(noise_scl) if ps else zero
-    elem_err = blocks.max(no_nan(adc / torch.addcmul(env, mag, blocks.per_block(nu + units, dtype))))
-
+    elem_err = blocks.max(no_nan(adc / torch.addcmul(side.env, side.mag, side.room)))
     dc2 = blocks.sumsq(dc)
-    rel = ratio(dc2.sqrt(), rn_eff)
-    max_err = ratio(blocks.max(adc), r_absmax)
+    rel = ratio(dc2.sqrt(), side.rn_eff)
+    max_err = ratio(blocks.max(adc), side.r_absmax)
     # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
-    r_dc = blocks.dot(rj64 := rj.double(), dc)   # rj in float64 once, for every projection on r
+    rn2, rn = side.rn2, side.rn
+    r_dc = blocks.dot(side.rj.double(), dc)
     # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
-    along = lambda x: torch.where(rn2 > 0, x / rn2.clamp_min(1e-300), 0.0)
-    scale_err = along(r_dc)
-    scale_noise = max_rows([along(blocks.dot(rj64, x)).abs() for x in d]) if ps else zero
+    scale_err = torch.where(rn2 > 0, r_dc / rn2.clamp_min(1e-300), 0.0)
     cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
     cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), (rn2 + r_dc) / (cn * rn).clamp_min(1e-300))
-
-    # Non-finite values: the sums of squares are finite exactly when the values are, so only a chunk
-    # with a non-finite sum (or judged on part of its elements) is counted element by element.
-    sums = torch.stack([rn2, dc2, *pn])
-    if judged is None and bool(torch.isfinite(sums).all()):
-        nonfinite = ref_nonfinite = pert_nonfinite = zero
-    else:
-        bad = lambda x: blocks.count(~torch.isfinite(x))
-        nonfinite, ref_nonfinite = bad(c), bad(r)
-        pert_nonfinite = sum((bad(p) for p in ps), zero)
+    # Non-finite values: ||c - r||^2 is finite exactly when c is (where r is; the reference side counts r)
+    zero = torch.zeros(n, dtype=torch.float64)
+    finite = judged is None and bool(torch.isfinite(dc2).all())
+    nonfinite = zero if finite else blocks.count(~torch.isfinite(c))
+    ref_nonfinite = zero if side.ref_nonfinite is None else side.ref_nonfinite
+    pert_nonfinite = zero if side.pert_nonfinite is None else side.pert_nonfinite
 
     # param_grad: elements within noise of zero, and the per-element deviations a later param's
     # excusal is measured against (unmasked: a gradient is always judged whole).
-    if ps:
+    if has_runs:
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue
             sl = blocks.slice(i)
-            e = env_full.view(-1)[sl]
+            e = side.env_full.view(-1)[sl]
             rv = r.view(-1)[sl]
-            near_zero = rv.abs() <= excusal.k * (e + (noise[i].item() + k.unit) * rms[i].item())
+            near_zero = rv.abs() <= excusal.k * (e + (side.noise[i].item() + k.unit) * side.rms[i].item())
             # Zero in every run, the candidate too: a deterministic (zero) update, never excused.
             near_zero &= ~((rv == 0) & (e == 0) & (dc_full.view(-1)[sl] == 0))
             excusal.add(k.path, near_zero)
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = (dc_full.view(-1)[sl].abs(), e.clone())
 
-    rc_err, rc_noise = rowcol_figures([k.rowcol for k in chunk], [k.unit for k in chunk], blocks, r,
-                                      dc_full, d_full)
-    bits = torch.tensor([1 << r for r in range(len(ps))], dtype=torch.int64)[:, None]
-    moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * len(chunk)
+    rc_err, rc_noise = rowcol_err(side.rowcol, blocks, dc_full), side.rowcol.noise
+    moved = side.moved
+    noise, elem_noise, max_noise, scale_noise = side.noise, side.elem_noise, side.max_noise, side.scale_noise
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
                         max_noise, elem_err, lengths - counts, scale_err, scale_noise]).tolist()
     return {k.name: TensorStats(rel_err=rows[0][i], max_err=rows[1][i], cosine=rows[2][i],

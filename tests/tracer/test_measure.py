@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tracer.blocks import BLOCK
-from tracer.measure import TensorKey, measure
+from tracer.errors import TraceError
+from tracer.measure import TensorKey, measure, prepare
 from tracer.tolerance import (
     cosine,
     elem_err,
@@ -181,3 +182,58 @@ def test_chunks_measured_on_threads_give_the_figures_of_the_walk_in_order():
             assert a == b or (math.isnan(a) and math.isnan(b)), (name, field, a, b)
     assert masks_seq.keys() == masks_par.keys()
     assert all(torch.equal(masks_seq[p], masks_par[p]) for p in masks_seq)
+
+
+class _Reads(dict):
+    """A run's tensors, remembering which were looked up."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen: set[str] = set()
+
+    def __getitem__(self, name):
+        self.seen.add(name)
+        return super().__getitem__(name)
+
+
+@pytest.mark.parametrize("n_perturbed", [1, 3])
+@pytest.mark.parametrize("chunk_elems", [200, 5000])
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_reference_side_prepared_before_the_candidate_gives_the_same_figures_bit_for_bit(n_perturbed,
+                                                                                          chunk_elems, wide):
+    """tracer/reference_side.py: chunks without a post-step param are prepared from the reference
+    set alone; measured against them, only the candidate is read there, and every figure (the
+    excusal state carried to later params included) is what measuring everything gives. A candidate
+    tensor in float64 (`wide`: partial sums, a scaled record) makes its chunk float64: measured whole."""
+    keys, ref, cand, perts = _traces(n_perturbed)
+    cand["0/0/rc/output"][1, 3, 5] *= 1.5   # a row-column outlier in a prepared chunk
+    if wide:
+        cand["0/0/big/output"] = cand["0/0/big/output"].double()
+    want_masks, got_masks = {}, {}
+    want = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=chunk_elems, excused_masks=want_masks)
+    prepared = prepare(keys, ref, perts, chunk_elems)
+    plain = {n for side in prepared.values() for n in side.names}
+    assert plain and not any(k.kind == "param" for k in keys if k.name in plain)
+    assert any(k.kind == "param_grad" for k in keys if k.name in plain) or chunk_elems == 5000
+    reads = _Reads(ref)
+    got = measure(keys, reads, cand, perts, K_ELEM, chunk_elems=chunk_elems, excused_masks=got_masks,
+                  prepared=prepared)
+    big = next(side.names for side in prepared.values() if "0/0/big/output" in side.names)
+    # the prepared chunks read only the candidate; a widened one reads every run
+    assert reads.seen & plain == (set(big) if wide else set())
+    for name in want:
+        for field, a in vars(want[name]).items():
+            b = getattr(got[name], field)
+            assert a == b or (math.isnan(a) and math.isnan(b)), (name, field, a, b)
+    assert want_masks.keys() == got_masks.keys()
+    assert all(torch.equal(want_masks[p], got_masks[p]) for p in want_masks)
+    assert got["0/0/rc/output"].rowcol_err > 10 and got["0/0/e/output"].nonfinite == 1
+
+
+def test_a_prepared_side_of_other_chunks_is_an_error_not_a_silent_mix():
+    keys, ref, cand, perts = _traces(2)
+    prepared = prepare(keys, ref, perts, 200)
+    first = next(iter(prepared))
+    prepared[first] = prepare(keys[1:], ref, perts, 200)[keys[1].name]   # another chunking
+    with pytest.raises(TraceError, match="prepared reference side"):
+        measure(keys, ref, cand, perts, K_ELEM, chunk_elems=200, prepared=prepared, workers=1)

@@ -439,7 +439,8 @@ def test_a_reference_set_read_ahead_is_compared_as_if_read_while_walked(traces):
         reference, perturbed = prefetch.traces(rs)
         assert isinstance(reference.tensors, StoredTensors) != read_ahead, (budget, jobs)
         assert (prefetch.seconds_of(rs) is not None) == read_ahead
-        got = compare(reference, walk("candidate", 2), perturbed, policy)
+        assert (prefetch.prepared(rs) is not None) == read_ahead   # its side of the measurement too
+        got = compare(reference, walk("candidate", 2), perturbed, policy, prepared=prefetch.prepared(rs))
         assert got.to_json() == walked.to_json()
     running.state = "done"   # the job ended: the next poll reads the set
     prefetch.poll()

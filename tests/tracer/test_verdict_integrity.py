@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.compare import compare, tensor_keys
+from tracer.compare import compare
+from tracer.compare_inputs import tensor_keys
 from tracer.isolation import name_culprit
 from tracer.logical import load_logical
 from tracer.measure import measure

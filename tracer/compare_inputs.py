@@ -1,0 +1,78 @@
+"""What the comparison stage reads (tracer/compare.py): the tensors to judge, in execution order, and
+each run's tensors checked against the reference's shapes; and the reference set's side of the
+measurement, which needs no candidate (tracer/reference_side.py)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from tracer.errors import LayoutMismatch, TraceError
+from tracer.layouts import Assembled
+from tracer.logical import LogicalTrace
+from tracer.measure import TensorKey, prepare
+from tracer.reference_side import ReferenceSide
+from tracer.tolerance import rowcol_shape, unit_roundoff
+
+
+class ShapeCheckedReads(Mapping[str, torch.Tensor]):
+    """A run's tensors as the measurement reads them, each once, chunk by chunk (a stored run is
+    read as it goes, see tracer.logical). In the candidate (`replicas` given), a tensor whose pieces
+    do not reassemble to the reference's shape is a wrong layout: it is noted in `mismatch` (judged
+    as a verdict at its module) and measured as zeros; in a reference run it is an error."""
+
+    def __init__(self, trace: LogicalTrace, reference: LogicalTrace,
+                 replicas: dict[str, Assembled] | None = None):
+        self.trace, self.reference, self.replicas = trace, reference, replicas
+        self.mismatch: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        want = self.reference.shape(name)
+        try:
+            got = self.trace.tensors[name]
+        except LayoutMismatch as e:
+            if self.replicas is None:
+                raise
+            return self._mismatched(name, want, str(e))
+        if tuple(got.tensor.shape) != want:
+            if self.replicas is not None:
+                return self._mismatched(name, want, f"candidate reassembles to shape "
+                                                    f"{tuple(got.tensor.shape)} but the reference has {want}")
+            raise TraceError(f"{name}: run '{self.trace.run}' has shape {tuple(got.tensor.shape)}, the "
+                             f"reference {want}; the reference set is inconsistent, recompute it")
+        if self.replicas is not None:
+            self.replicas[name] = got
+        return got.tensor
+
+    def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
+        assert self.replicas is not None
+        self.mismatch[name] = why
+        self.replicas[name] = Assembled(tensor=torch.empty(0))
+        dtype = getattr(torch, str(self.reference.info[name].get("dtype", "float32")), torch.float32)
+        return torch.zeros(want, dtype=dtype if dtype.is_floating_point else torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.trace.tensors)
+
+    def __len__(self) -> int:
+        return len(self.trace.tensors)
+
+
+def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
+    """What the measurement needs of every reference tensor, in execution order. The row-column
+    metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape)."""
+    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
+    first = min((int(e["step"]) for e in reference.info.values() if int(e["step"]) >= 0), default=0)
+    key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
+                                        rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first))
+    return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]
+
+
+def prepare_reference_side(reference: LogicalTrace,
+                           perturbed: Sequence[LogicalTrace]) -> dict[str, ReferenceSide]:
+    """The reference set's side of the comparison (tracer/reference_side.py), before any candidate:
+    what `compare(..., prepared=)` then need not compute. Raises what reading the runs raises."""
+    return prepare(tensor_keys(reference), ShapeCheckedReads(reference, reference),
+                   [ShapeCheckedReads(p, reference) for p in perturbed])
