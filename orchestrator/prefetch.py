@@ -13,15 +13,16 @@ candidate ran 0.83 s against 0.68 s); with cores to spare on the driver's node i
 critical path altogether.
 
 A set is read whole and prepared only while every set read ahead stays under BUDGET_BYTES (stored
-bytes; its prepared side holds about 3x the reference's bytes again); a larger one is read as the
-comparison walks it, a few parts at a time (tracer/logical.py), as before. Reading ahead changes
-when the work is done, never what is compared (the figures are the same bit for bit): a corrupt or
-missing part raises the same error at the same check, from `traces`, and a set the measurement
-rejects is left to the comparison, which says why.
+bytes, TTRACE_READ_AHEAD_BYTES overrides it; its prepared side holds about 3x the reference's bytes
+again); a larger one is read as the comparison walks it, a few parts at a time (tracer/logical.py),
+as before. Reading ahead changes when the work is done, never what is compared (the figures are
+the same bit for bit): a corrupt or missing part raises the same error at the same check, from
+`traces`, and a set the measurement rejects is left to the comparison, which says why.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -34,13 +35,14 @@ from tracer.logical import LogicalTrace, load_logical
 from tracer.reference_side import ReferenceSide
 
 BUDGET_BYTES = 1 << 30   # stored bytes of all sets read ahead at once (their tensors stay in memory)
+ENV = "TTRACE_READ_AHEAD_BYTES"   # overrides BUDGET_BYTES (0: never read ahead)
 
 
 class ReferencePrefetch:
     """Reads each reference set ahead once its jobs are done (`poll`, called on every job change)."""
 
-    def __init__(self, refsets: list[ReferenceSet], budget_bytes: int = BUDGET_BYTES):
-        self.budget = budget_bytes
+    def __init__(self, refsets: list[ReferenceSet], budget_bytes: int | None = None):
+        self.budget = int(os.environ.get(ENV, BUDGET_BYTES)) if budget_bytes is None else budget_bytes
         self._sets = refsets
         self._reads: dict[int, Future] = {}       # id(refset) -> future of (reference, perturbed, prepared)
         self._lock = threading.Lock()

@@ -459,3 +459,14 @@ def test_a_corrupt_part_of_a_reference_set_read_ahead_is_the_same_error(traces):
     prefetch.poll()
     with pytest.raises(TraceError, match=r"perturbed-0/rank00000/part-.* is truncated or corrupt.*checksum"):
         prefetch.traces(rs)
+
+
+def test_the_read_ahead_limit_comes_from_the_environment(traces, monkeypatch):
+    from orchestrator.prefetch import ENV, ReferencePrefetch
+    from tracer.logical import StoredTensors
+
+    monkeypatch.setenv(ENV, "0")   # 0: never read ahead
+    rs = _reference_set(traces)
+    prefetch = ReferencePrefetch([rs])
+    prefetch.poll()
+    assert isinstance(prefetch.traces(rs)[0].tensors, StoredTensors) and prefetch.prepared(rs) is None
