@@ -175,13 +175,19 @@ def test_chunks_measured_on_threads_give_the_figures_of_the_walk_in_order():
     masks_seq, masks_par = {}, {}
     seq = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=200, workers=1, excused_masks=masks_seq)
     par = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=200, workers=4, excused_masks=masks_par)
-    assert seq.keys() == par.keys() and seq["1/-/w/param"].excused > 0
-    for name in seq:
-        for field, a in vars(seq[name]).items():
-            b = getattr(par[name], field)
+    assert seq["1/-/w/param"].excused > 0
+    _assert_identical(seq, par, masks_seq, masks_par)
+
+
+def _assert_identical(want, got, want_masks, got_masks):
+    """Every figure of every tensor equal (NaN where NaN), and the same final excusal masks."""
+    assert want.keys() == got.keys()
+    for name in want:
+        for field, a in vars(want[name]).items():
+            b = getattr(got[name], field)
             assert a == b or (math.isnan(a) and math.isnan(b)), (name, field, a, b)
-    assert masks_seq.keys() == masks_par.keys()
-    assert all(torch.equal(masks_seq[p], masks_par[p]) for p in masks_seq)
+    assert want_masks.keys() == got_masks.keys()
+    assert all(torch.equal(want_masks[p], got_masks[p]) for p in want_masks)
 
 
 class _Reads(dict):
@@ -221,12 +227,7 @@ def test_a_reference_side_prepared_before_the_candidate_gives_the_same_figures_b
     big = next(side.names for side in prepared.values() if "0/0/big/output" in side.names)
     # the prepared chunks read only the candidate; a widened one reads every run
     assert reads.seen & plain == (set(big) if wide else set())
-    for name in want:
-        for field, a in vars(want[name]).items():
-            b = getattr(got[name], field)
-            assert a == b or (math.isnan(a) and math.isnan(b)), (name, field, a, b)
-    assert want_masks.keys() == got_masks.keys()
-    assert all(torch.equal(want_masks[p], got_masks[p]) for p in want_masks)
+    _assert_identical(want, got, want_masks, got_masks)
     assert got["0/0/rc/output"].rowcol_err > 10 and got["0/0/e/output"].nonfinite == 1
 
 
