@@ -137,7 +137,7 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             return side, [{}, got]
         return None, [read(reference), got, *map(read, perturbed)]
 
-    work = lambda chunk, loaded: _measure_chunk(chunk, *loaded[1][:2], loaded[1][2:], excusal, loaded[0])
+    work = lambda chunk, loaded: _measure_chunk(chunk, loaded[1], excusal, loaded[0])
     # A parameter path's excusal state is written by its param_grad and param: measured in order.
     touches = lambda chunk: {k.path for k in chunk if k.kind in ("param_grad", "param")}
     out: dict[str, TensorStats] = {}
@@ -171,14 +171,15 @@ def _dtype(names: Sequence[str], runs: Sequence[Mapping[str, torch.Tensor]]) -> 
     return torch.float64 if wide else torch.float32
 
 
-def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
-                   candidate: Mapping[str, torch.Tensor], perturbed: Sequence[Mapping[str, torch.Tensor]],
-                   excusal: _Excusal, side: ReferenceSide | None = None) -> dict[str, TensorStats]:
+def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch.Tensor]], excusal: _Excusal,
+                   side: ReferenceSide | None = None) -> dict[str, TensorStats]:
+    """The chunk's figures from runs = (reference, candidate, *perturbed), or the candidate and `side`."""
     names = [k.name for k in chunk]
-    if side is not None and side.names != tuple(names):
-        raise TraceError(f"the prepared reference side of chunk {names[0]!r} does not match the chunk "
-                         "(runs or keys changed since it was prepared); compare without it")
+    reference, candidate, *perturbed = runs
     if side is not None:
+        if side.names != tuple(names):
+            raise TraceError(f"the prepared reference side of chunk {names[0]!r} does not match the chunk "
+                             "(runs or keys changed since it was prepared); compare without it")
         dtype, blocks, r = side.dtype, side.blocks, side.r
         ps: list[torch.Tensor] = []
     else:
@@ -189,7 +190,6 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
     lengths = torch.tensor(blocks.lens, dtype=torch.float64)
     c = blocks.flat(candidate, names, dtype)
     dc_full = c - r   # once: for the figures, the excusal and the row-column metric
-    has_runs = side is not None or bool(ps)   # perturbed runs (a prepared side is made of some)
     if side is None:
         d_full = [p - r for p in ps]
         a_full = [d.abs() for d in d_full]
@@ -270,7 +270,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], reference: Mapping[str, torch.Ten
 
     # param_grad: elements within noise of zero, and the per-element deviations a later param's
     # excusal is measured against (unmasked: a gradient is always judged whole).
-    if has_runs:
+    if side.runs:
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue

@@ -25,6 +25,7 @@ class ReferenceSide:
     """One chunk's reference-side arrays and per-tensor figures (chunk order)."""
 
     names: tuple[str, ...]
+    runs: int                 # perturbed runs it was made of
     dtype: torch.dtype
     blocks: Blocks
     r: torch.Tensor           # the chunk's reference, flat (blocks, BLOCK)
@@ -115,7 +116,7 @@ def reference_side(names: Sequence[str], units: Sequence[float], shapes: Sequenc
         pert_nf = sum((bad(p) for p in ps), zero)
     bits = torch.tensor([1 << i for i in range(len(d))], dtype=torch.int64)[:, None]
     moved = ((torch.stack(pn) > 0).long() * bits).sum(0).tolist() if ps else [0] * n
-    return ReferenceSide(tuple(names), dtype, blocks, r, env_full, rj, env, mag,
+    return ReferenceSide(tuple(names), len(ps), dtype, blocks, r, env_full, rj, env, mag,
                          blocks.per_block(nu + units_t, dtype), rn2, rn, rn_eff, r_absmax, rms, noise,
                          max_noise, elem_noise, scale_noise, ref_nf, pert_nf, moved,
                          rowcol_side(list(shapes), list(units), blocks, r, d_full))
