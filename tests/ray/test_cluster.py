@@ -105,7 +105,10 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
     assert all(r["calls"] == 1 for r in ranks), ranks           # a fresh module in every rank
     assert all(r["torch_at_import"] for r in ranks), ranks     # forked after the warm import
     assert len({r["pid"] for r in ranks}) == 4
-    assert {r["parent"] for r in second.results} <= {r["parent"] for r in first.results}   # warm reuse
+    # Warm reuse: the second job's ranks fork from a worker the first warmed. Ray may start a fresh
+    # worker for one of them when the job loop (which now wakes as soon as a rank ends) launches it
+    # before Ray has taken the first job's workers back into its pool.
+    assert {r["parent"] for r in second.results} & {r["parent"] for r in first.results}
     assert dies.error and "rank 1's process died (killed by SIGKILL)" in dies.error, dies.error
     assert raises.error and "rank 0 raised ZeroDivisionError: probe" in raises.error, raises.error
 
