@@ -9,6 +9,7 @@ looked up again later is read again.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ class LogicalTrace:
     meta: dict[str, Any]
     order: list[str]                    # canonical names in execution order
     info: dict[str, dict[str, Any]]     # name -> manifest entry of the lowest rank
-    tensors: Mapping[str, Assembled]    # in the traced dtype; fp8 scaled and partial sums in float64
+    tensors: Mapping[str, Assembled]    # traced dtype; float64: partial sums, scales not powers of 2
     sizes: dict[str, int] = field(default_factory=dict)   # mesh axis sizes of the run
     mode: str = "full"                  # full | stats: statistics only (tracer/stats.py)
     _shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -112,6 +113,21 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
         return trace
 
 
+_EXACT_BY_POWERS_OF_TWO = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """`t * scale` without rounding. A power of two (a DP grad scale of 1/2) only moves exponents: kept
+    in `t`'s dtype, so the candidate's chunk is measured in the reference's precision against its
+    prepared side (tracer/reference_side.py), unless a product lost bits (subnormal) or overflowed,
+    which dividing back detects. Any other scale (an fp8 payload's, a grad scale of 1/3): float64."""
+    if t.dtype in _EXACT_BY_POWERS_OF_TWO and abs(math.frexp(scale)[0]) == 0.5:
+        out = t * scale
+        if torch.equal(out * (1.0 / scale), t):
+            return out
+    return t.double() * scale
+
+
 class StoredTensors(Mapping[str, Assembled]):
     """name -> Assembled, read on lookup (module doc). Lookups are not cached: a tensor looked up
     twice is assembled twice (from the part cache while its part is held)."""
@@ -171,8 +187,8 @@ class StoredTensors(Mapping[str, Assembled]):
             part = (rank, e["file"])
             t = self._part(rt, part)[e["key"]]
             scale = float(e.get("scale", 1.0))
-            if scale != 1.0:   # fp8 payload with its per-tensor scale: exact in float64
-                t = t.double() * scale
+            if scale != 1.0:
+                t = scaled(t, scale)
             pieces.append(Piece(rt.manifest["coords"], t, rank))
             self._left[part] -= 1
             if self._left[part] == 0:

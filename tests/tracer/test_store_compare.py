@@ -12,7 +12,7 @@ from tracer import ModuleLayout, Shard, Tracer
 from tracer.checksum import hasher
 from tracer.compare import compare
 from tracer.errors import TraceError
-from tracer.logical import load_logical
+from tracer.logical import load_logical, scaled
 from tracer.store import READ_THREADS
 from tracer.tolerance import TolerancePolicy, cosine, max_err, rel_err
 
@@ -191,6 +191,24 @@ def test_metrics():
     assert cosine(-r, r) == pytest.approx(-1.0)
     assert rel_err(r, r) == 0.0
     assert math.isinf(rel_err(c, torch.zeros(3, dtype=torch.float64)))
+
+
+def test_a_record_scaled_by_a_power_of_two_keeps_its_dtype_unless_that_would_round():
+    """A DP grad scale of 1/2 keeps the candidate in the reference's precision (its chunk is then
+    measured against the prepared reference side); every scaled value is exact either way."""
+    t = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        half = scaled(t.to(dtype), 0.5)
+        assert half.dtype == dtype and torch.equal(half.double(), t.to(dtype).double() * 0.5)
+    assert scaled(t, 4.0).dtype == torch.float32 and scaled(t, -0.25).dtype == torch.float32
+    third = scaled(t, 1 / 3)   # would round in float32
+    assert third.dtype == torch.float64 and torch.equal(third, t.double() * (1 / 3))
+    tiny = torch.tensor([math.ldexp(3, -149), 1.0])   # a float32 subnormal: halving loses its last bit
+    assert scaled(tiny, 0.5).dtype == torch.float64 and scaled(tiny, 0.5)[0].item() == math.ldexp(3, -150)
+    huge = torch.tensor([3e38, 1.0])   # doubling overflows float32
+    assert scaled(huge, 2.0).dtype == torch.float64 and math.isfinite(scaled(huge, 2.0)[0].item())
+    fp8 = t.to(torch.float8_e4m3fn)   # an fp8 payload always widens
+    assert scaled(fp8, 0.5).dtype == torch.float64
 
 
 def test_runs_of_different_recipes_are_an_error(traces):
