@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe, routing  # noqa: E402
-from tracer.compare import compare  # noqa: E402
+from tracer.compare import compare, rounding_draws  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
@@ -46,6 +46,7 @@ from tracer.tolerance import (  # noqa: E402
     elem_err,
     elem_noise,
     noise_scale,
+    own_err,
     projection,
     rel_err,
     rowcol_err,
@@ -190,6 +191,8 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
             "replica_err": res.replica_err, "ttrace_ok": res.ok, "reason": res.reason,
             "tolerance": res.tolerance, "elem_tolerance": res.elem_tolerance,
             "rowcol_err": res.rowcol_err, "rowcol_tolerance": res.rowcol_tolerance,
+            "own_err": res.own_err, "own_tolerance": res.own_tolerance,
+            "joint_tolerance": res.joint_tolerance,
             "megatron_fail": res.rel_err > megatron_bound(prec),
             "assert_close_fail": assert_close_fails(c, r, e["dtype"]),
         })
@@ -239,18 +242,21 @@ LAYER = "layers.1."   # the "one layer's grads" probe: every param_grad of this 
 
 
 def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: str, kind: str,
-             policy: TolerancePolicy, megatron: float) -> dict[str, bool]:
+             policy: TolerancePolicy, megatron: float, draws: bool) -> dict[str, bool]:
     """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, elementwise,
-    row-column),
-    its norm-wise metric alone, Megatron's fixed bound, assert_close."""
+    row-column, and the joint rule where the perturbed runs are GEMM rounding draws: `draws`), its
+    norm-wise metric alone, Megatron's fixed bound, assert_close."""
     u = unit_roundoff(dtype)
     noise = [rel_err(p, r) for p in ps]
     re = rel_err(c, r)
+    view, rc, rc_noise = rowcol_shape(r.shape, kind), rowcol_err(c, r, ps, u), max(rowcol_noise(ps, r, u))
+    own_noise = max(own_err(p.double() - r.double(), r, u) for p in ps)
+    own_tol, joint_tol = policy.own_tolerances(own_noise, rc_noise, view, draws)
     verdict = (re > policy.tolerance(noise, dtype)
                or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind, r.shape)
                or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
-               or rowcol_err(c, r, ps, u) > policy.rowcol_tolerance(rowcol_noise(ps, r, u),
-                                                                    rowcol_shape(r.shape, kind)))
+               or rc > policy.rowcol_tolerance([rc_noise], view)
+               or (own_err(c.double() - r.double(), r, u) > own_tol and rc > joint_tol))
     return {"ttrace": verdict, "ttrace_normwise": re > policy.tolerance(noise, dtype),
             "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
 
@@ -275,7 +281,7 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         idx = list(torch.unravel_index(torch.tensor(flat), shard.shape))
         probes.append(("element", [name], tuple(int(i) + (half if d == shard_dim else 0)
                                                 for d, i in enumerate(idx))))
-    out = []
+    out, draws = [], rounding_draws(pert)
     for mode, names, idx in probes:
 
         def detected(delta: float, names: list[str] = names, idx: tuple | None = idx) -> dict[str, bool]:
@@ -289,7 +295,7 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
                     c[idx] = c[idx] * (1 + delta)
                 c = c.to(getattr(torch, e["dtype"])).double()   # a corruption the traced dtype can hold
                 one = _detects(c, r, [p.tensors[name].tensor for p in pert], e["dtype"], e["kind"], policy,
-                               megatron_bound(prec))
+                               megatron_bound(prec), draws)
                 det = {m: det.get(m, False) or d for m, d in one.items()}
             return det
 
@@ -390,26 +396,30 @@ def main() -> int:
                     "failing_tensors": [{k: s[k] for k in ("name", "reason", "rel_err", "tolerance",
                                                             "elem_err", "elem_tolerance", "scale_err",
                                                             "scale_tolerance", "rowcol_err",
-                                                            "rowcol_tolerance")} for s in bad[:5]],
+                                                            "rowcol_tolerance", "own_err",
+                                                            "own_tolerance")} for s in bad[:5]],
                     "megatron_fixed_fp": sum(s["megatron_fail"] for s in stats),
                     "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
                                                    if s["kind"] == "param_grad"),
                     "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
             studies += corruption(ref, pert, cands["tp2"], prec, policy)
-            # the method before the row-column metric (2026-11-24), on the same traces
-            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_rowcol=0.0),
+            # the method before the joint rule (2026-11-25), and before the row-column metric
+            # (2026-11-24), on the same traces
+            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_own=0.0),
+                                  method="no joint rule (before)")
+            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_rowcol=0.0, k_own=0.0),
                                   method="no row-column (before)")
             if prec != "fp32":   # the previous method: weight perturbation, scale not judged
                 _, wpert, _ = load_combo(url, R, (), perturbed="perturbed-weights")
-                studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0),
+                studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0, k_own=0.0),
                                       method="weights, no scale (before)")
 
     matrix_fams = sorted({x["family"] for x in rows["matrix"]}, key=list(FAMILIES).index)
     result = {
         "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
                    "floor_elem": policy.floor_elem, "k_scale": policy.k_scale, "k_rowcol": policy.k_rowcol,
-                   "R": R},
+                   "k_own": policy.k_own, "k_joint": policy.k_joint, "R": R},
         "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
         "seconds_runs": t_runs,
         "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
@@ -459,7 +469,12 @@ def headroom(rows: list[dict], precs: tuple[str, ...]) -> dict[str, Any]:
                                                  and math.isfinite(x["scale_tolerance"])]),
             "rowcol_tol_over_err": ratio_summary([x["rowcol_tolerance"] / x["rowcol_err"] for x in pr
                                                   if x["kind"] == k and x.get("rowcol_err")
-                                                  and math.isfinite(x["rowcol_tolerance"])])} for k in kinds}
+                                                  and math.isfinite(x["rowcol_tolerance"])]),
+            # the joint rule fails past both bounds: its head-room is the larger of the two
+            "joint_tol_over_err": ratio_summary([
+                max(x["own_tolerance"] / x["own_err"], x["joint_tolerance"] / x["rowcol_err"]) for x in pr
+                if x["kind"] == k and x.get("own_err") and x.get("rowcol_err")
+                and math.isfinite(x["own_tolerance"])])} for k in kinds}
     return ratio
 
 
@@ -484,7 +499,7 @@ def _fmt(x: float | None) -> str:
 
 def _fmt_min(by_kind: dict[str, dict], metric: str) -> str:
     """The smallest head-room of one metric over every kind of tensor."""
-    mins = [k[metric]["min"] for k in by_kind.values() if k[metric].get("n")]
+    mins = [k[metric]["min"] for k in by_kind.values() if k.get(metric, {}).get("n")]
     return f"{min(mins):.1f}" if mins else "-"
 
 
@@ -494,14 +509,15 @@ def print_tables(res: dict) -> None:
           f"{cm['false_positives']}; checks Megatron's fixed bound flags: "
           f"{cm['megatron_fixed_checks_flagged']}; assert_close flags: {cm['assert_close_checks_flagged']}")
     print(f"  {'family':15s} {'checks':>6s} {'FP':>4s}  smallest head-room (tolerance / honest error) "
-          "norm-wise, elementwise, scale, row-column")
+          "norm-wise, elementwise, scale, row-column, joint")
     by_fam = res["tolerance_over_clean_error_by_family"]
     rows = [(f, c, by_fam.get(f, {})) for f, c in cm["by_family"].items()]
     for fam, c, hr in rows + [("8-rank recipes", cm["eight_rank"], None),
                               ("total", _counts(cm["verdicts"]), res["tolerance_over_clean_error"])]:
         room = ""
         if hr is not None:
-            metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err", "rowcol_tol_over_err")
+            metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err", "rowcol_tol_over_err",
+                       "joint_tol_over_err")
             room = "  ".join(f"{p} " + "/".join(_fmt_min(hr[p], m) for m in metrics) for p in hr)
         print(f"  {fam:15s} {c['checks']:6d} {c['false_positives']:4d}  {room}")
     for v in cm["verdicts"]:

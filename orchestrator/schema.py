@@ -155,6 +155,8 @@ class Tolerance:
     floor_elem: float = 4.0
     k_scale: float = 1.5             # scale error (projection on r): tol = k_scale x norm-wise noise
     k_rowcol: float = 4.0            # elementwise under the row-column noise model (0: off)
+    k_own: float = 1.5               # one element, GEMM rounding draws: own_err past k_own x its noise
+    k_joint: float = 2.0             #   and rowcol_err past k_joint x its noise (k_own 0: off)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
     routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)

@@ -25,6 +25,17 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else float("inf")
 
 
+def rounding_draws(perturbed: Sequence[LogicalTrace]) -> bool:
+    """Are the perturbed runs GEMM rounding draws, the joint single-element rule's calibration
+    (tracer.tolerance.own_err)? The built-in trainer records what its perturbed runs moved; traces
+    from before it did drew them exactly when they were bf16 or fp8 (tolerance.perturbation=auto)."""
+    def drawn(meta: Mapping[str, Any]) -> bool:
+        if "perturbation" in meta:
+            return meta["perturbation"] == "gemm"
+        return meta.get("job") == "builtin" and meta.get("precision") in ("bf16", "fp8")
+    return bool(perturbed) and all(drawn(p.meta) for p in perturbed)
+
+
 def _check_perturbed_moved(reference: LogicalTrace, perturbed: Sequence[LogicalTrace],
                            stats: Mapping[str, Any]) -> None:
     """A perturbed run bit-identical to the reference everywhere never had its perturbation applied
@@ -160,10 +171,11 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     # have nothing in common); a module's outputs pool over the step's microbatches.
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
-    pooled: dict[tuple, tuple[float, float, float]] = {}
+    pooled: dict[tuple, tuple[float, ...]] = {}
     for name in reference.order:
-        st, f = stats[name], pooled.get(family(name), (0.0, 0.0, 0.0))
-        pooled[family(name)] = (max(f[0], st.noise), max(f[1], st.elem_noise), max(f[2], st.rowcol_noise))
+        st, f = stats[name], pooled.get(family(name), (0.0,) * 4)
+        pooled[family(name)] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise)))
+    draws = rounding_draws(perturbed)
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
     # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
@@ -184,7 +196,7 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     for index, (name, key) in enumerate(zip(reference.order, keys, strict=True)):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise, rc_noise = pooled[family(name)]
+        noise, e_noise, rc_noise, own_noise = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -198,12 +210,14 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             elem_tolerance=policy.elem_tolerance([e_noise], key.numel),
             rowcol_err=_finite(st.rowcol_err), rowcol_noise=st.rowcol_noise,
             rowcol_tolerance=policy.rowcol_tolerance([rc_noise], key.rowcol),
+            own_err=_finite(st.own_err), own_noise=st.own_noise,
             scale_err=_finite(st.scale_err),
             scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], reference.shape(name)),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
             excused_dev=_finite(st.excused_dev),
             excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),
             beyond=st.beyond, beyond_noise=st.beyond_noise)
+        res.own_tolerance, res.joint_tolerance = policy.own_tolerances(own_noise, rc_noise, key.rowcol, draws)
         if name in arriving.mismatch:
             res.rel_err = res.max_err = res.elem_err = math.inf
             res.cosine, res.nonfinite, res.excused = math.nan, 0, 0
@@ -225,6 +239,12 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
             res.ok, res.reason = False, (f"elementwise: an element is {res.rowcol_err:.3g} x its row's and "
                                          f"column's noise off (tolerance {res.rowcol_tolerance:.3g}; "
                                          f"rel_err {res.rel_err:.3g})")
+        elif res.own_err > res.own_tolerance and res.rowcol_err > res.joint_tolerance:
+            res.ok, res.reason = False, (
+                f"elementwise: an element is {res.own_err:.3g} x its row's and column's noise fitted to the "
+                f"candidate's own errors (tolerance {res.own_tolerance:.3g}) and {res.rowcol_err:.3g} x the "
+                f"perturbed runs' (tolerance {res.joint_tolerance:.3g}): past both at once (rel_err "
+                f"{res.rel_err:.3g})")
         elif policy.replicas == "exact" and res.replica_differ:
             res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} differ in "
                                          f"{res.replica_differ} element(s) (rel {res.replica_err:.3g}); "

@@ -10,10 +10,9 @@ reductions (see Blocks). Chunks stay cache-sized, and their temporaries come fro
 What needs no candidate is tracer/reference_side.py's: `prepare` computes it ahead for chunks
 without a post-step param, and `measure(..., prepared=)` then reads only the candidate there.
 
-The formulas are the per-tensor definitions of `tracer.tolerance` (noise_scale, elem_err, elem_noise,
-rel_err, max_err, cosine, rowcol_*); tests/test_measure.py holds the two equal. Elementwise work
-runs in the widest dtype of the chunk's inputs (float32 for float32, bf16 and fp8 traces, so
-differences of nearby values are exact), sums of squares in float64.
+The formulas are the per-tensor definitions of `tracer.tolerance` (tests/test_measure.py holds the
+two equal). Elementwise work runs in the widest dtype of the chunk's inputs (float32 for float32,
+bf16 and fp8 traces: differences of nearby values are exact), sums of squares in float64.
 
 Adam excusal (see `tracer.compare.compare`): a post-step `param` element is not judged where this
 or an earlier step's gradient was within noise of zero, or where its error is explained by the
@@ -68,6 +67,8 @@ class TensorStats:
     beyond_noise: int = 0      # the same count for each perturbed run against the others (max over runs)
     rowcol_err: float = 0.0    # max_i |c_i - r_i| / row-column noise scale_i (tracer/rowcol.py)
     rowcol_noise: float = 0.0  # max_r leave-one-out rowcol_err(p_r)
+    own_err: float = 0.0       # the same in units of a row-column noise fitted to c - r itself
+    own_noise: float = 0.0     # max_r own_err(p_r)
 
 
 @dataclass(frozen=True)
@@ -205,12 +206,10 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
         flat = lambda x: x.view(-1)
-        diff_full = flat(dc_full.abs())
-        env_flat = flat(env_full)
+        diff_full, env_flat = flat(dc_full.abs()), flat(env_full)
         loo_full = [flat(x) for x in leave_one_out(a_full)] if len(ps) > 1 else []
         tiny = torch.finfo(dtype).tiny
-        judged = torch.ones_like(r, dtype=torch.bool)
-        excused = [0.0] * n
+        judged, excused = torch.ones_like(r, dtype=torch.bool), [0.0] * n
         for i, k in params:
             sl = blocks.slice(i)
             if k.numel:
@@ -284,8 +283,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
             # a copy, not a view: the chunk's buffers are freed when the chunk is done
             excusal.grad_dev[k.path] = (dc_full.view(-1)[sl].abs(), e.clone())
 
-    rc_err, rc_noise = rowcol_err(side.rowcol, blocks, dc_full), side.rowcol.noise
-    moved = side.moved
+    (rc_err, own_err), rc, moved = rowcol_err(side.rowcol, blocks, dc_full), side.rowcol, side.moved
     noise, elem_noise, max_noise, scale_noise = side.noise, side.elem_noise, side.max_noise, side.scale_noise
     rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
                         max_noise, elem_err, lengths - counts, scale_err, scale_noise]).tolist()
@@ -296,5 +294,6 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
                                 excused=int(rows[10][i]), moved=moved[i], excused_dev=excused_dev[i],
                                 env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
                                 updates=updates[i], absmax=absmax[i], scale_err=rows[11][i],
-                                scale_noise=rows[12][i], rowcol_err=rc_err[i], rowcol_noise=rc_noise[i])
+                                scale_noise=rows[12][i], rowcol_err=rc_err[i], rowcol_noise=rc.noise[i],
+                                own_err=own_err[i], own_noise=rc.own_noise[i])
             for i, k in enumerate(chunk)}

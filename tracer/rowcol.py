@@ -35,11 +35,13 @@ class _Group:
 
 @dataclass
 class RowColSide:
-    """A chunk's row-column figures of the perturbed runs (their leave-one-out noise) and the scale
-    the candidate is judged against: computed once per reference set (tracer/reference_side.py)."""
+    """A chunk's row-column figures of the perturbed runs (their leave-one-out noise, and their largest
+    error in units of their own fitted noise: `own_noise`) and the scale the candidate is judged
+    against: computed once per reference set (tracer/reference_side.py)."""
 
     groups: list[_Group]
     noise: list[float]
+    own_noise: list[float]
 
 
 def _scales(rv: torch.Tensor, xp: torch.Tensor, u: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,12 +75,27 @@ def _ratio(x: torch.Tensor, unit: torch.Tensor, a: torch.Tensor, cols: torch.Ten
     return x.abs().mul_(unit).div_(scale.clamp_min_(torch.finfo(room.dtype).tiny)).flatten(-2).amax(-1)
 
 
+def _own(x: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    """tracer.tolerance.own_err of (..., rows, columns) deviations scaled to at most ~1 (leading dims
+    kept): each element in units of the row-column noise fitted to the others (its own square left
+    out). The perturbed runs' in their dtype; the candidate's in float64 (a bug's deviations may be
+    any multiple of the perturbed runs' scale, whose squares would overflow float32)."""
+    tiny = torch.finfo(x.dtype).tiny
+    sq = x.square()
+    rows, cols = x.shape[-2:]
+    a = (sq.sum(-1, keepdim=True) - sq).clamp_min_(0).div_(cols - 1)
+    b = (sq.sum(-2, keepdim=True) - sq).clamp_min_(0).div_(rows - 1)
+    m = (sq.sum((-2, -1), keepdim=True) - sq).clamp_min_(0).div_(rows * cols - 1)
+    w = a.mul_(b).div_(m.clamp_min_(tiny)).sqrt_().add_(room)
+    return x.abs().div_(w.clamp_min_(tiny)).flatten(-2).amax(-1)
+
+
 def rowcol_side(shapes: Sequence[tuple[int, int] | None], units: Sequence[float], blocks: Blocks,
                 r: torch.Tensor, d: Sequence[torch.Tensor]) -> RowColSide:
     """The perturbed runs' side of the row-column figures of a chunk: r the chunk's reference, d the
     perturbed runs' p - r (all (blocks, BLOCK)); noise 0 where a tensor is not judged or with fewer
     than 2 runs (no leave-one-out draw)."""
-    noise = [0.0] * len(shapes)
+    noise, own = [0.0] * len(shapes), [0.0] * len(shapes)
     groups: dict[tuple[tuple[int, int], float], list[int]] = {}
     for i, rc in enumerate(shapes):
         if rc is not None and d:
@@ -95,17 +112,21 @@ def rowcol_side(shapes: Sequence[tuple[int, int] | None], units: Sequence[float]
             loo = _ratio(xp, unit3[:, None], a[:, 1:], cols[:, 1:], room[:, None]).tolist()
             for i, g in zip(idx, loo, strict=True):
                 noise[i] = max(g)
+        xo = _own(xp * unit3[:, None], room[:, None]).amax(1).tolist()
+        for i, o in zip(idx, xo, strict=True):
+            own[i] = o
         out.append(_Group(idx, rc, unit3, a[:, 0], cols[:, 0], room))
-    return RowColSide(out, noise)
+    return RowColSide(out, noise, own)
 
 
-def rowcol_err(side: RowColSide, blocks: Blocks, dc: torch.Tensor) -> list[float]:
-    """The candidate's row-column figure per tensor of the chunk (0 where not judged): dc its deviation
-    c - r ((blocks, BLOCK)), against the scale of all perturbed runs."""
-    err = [0.0] * len(blocks.lens)
+def rowcol_err(side: RowColSide, blocks: Blocks, dc: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The candidate's row-column figure per tensor of the chunk against the scale of all perturbed
+    runs, and its own_err (0 where not judged): dc its deviation c - r ((blocks, BLOCK))."""
+    err, own = [0.0] * len(blocks.lens), [0.0] * len(blocks.lens)
     flat = dc.view(-1)
     for g in side.groups:
         x = torch.stack([flat[blocks.slice(i)] for i in g.idx]).view(len(g.idx), *g.shape)
-        for i, e in zip(g.idx, _ratio(x, g.unit, g.a, g.cols, g.room).tolist(), strict=True):
-            err[i] = e
-    return err
+        xo = _own(x.double() * g.unit.double(), g.room.double()).tolist()   # not in place: x is used below
+        for i, e, o in zip(g.idx, _ratio(x, g.unit, g.a, g.cols, g.room).tolist(), xo, strict=True):
+            err[i], own[i] = e, o
+    return err, own

@@ -35,6 +35,10 @@ class TensorResult:
     rowcol_err: float = 0.0      # max_i |c_i - r_i| / row-column noise scale_i (tracer.tolerance)
     rowcol_noise: float = 0.0    # largest leave-one-out rowcol_err of a perturbed reference
     rowcol_tolerance: float = math.inf  # on rowcol_err (inf: the tensor is not judged by it)
+    own_err: float = 0.0         # the same in units of a row-column noise fitted to c - r itself
+    own_noise: float = 0.0       # largest own_err of a perturbed reference
+    own_tolerance: float = math.inf    # on own_err, with rowcol_err > k_joint x rowcol_noise as well
+    joint_tolerance: float = math.inf  #   that bound on rowcol_err (inf: not judged this way)
     scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
     scale_tolerance: float = math.inf  # on |scale_err|
     excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:

@@ -101,7 +101,7 @@ def train(job: harness.RankJob) -> list[float]:
                     gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None,
                     draw_stream=ps.coords["dp"] * ps.sizes.get("cp", 1) + ps.coords.get("cp", 0))
     tr.attach(model, plan, rename=rename, coords=ps.coords, sizes=ps.sizes, perturb=moves == "weights",
-              meta={"pp_stage": ps.pp_rank})
+              meta={"pp_stage": ps.pp_rank, "perturbation": moves})   # tracer.compare: what moved
     tr.set_grad_scale(cfg.micro_batches_local / cfg.micro_batches_global)
     optimizer = precision.optimizer(model, recipe, lambda params: torch.optim.Adam(
         params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False))

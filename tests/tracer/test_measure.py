@@ -14,6 +14,7 @@ from tracer.tolerance import (
     elem_noise,
     max_err,
     noise_scale,
+    own_err,
     projection,
     reference_norm,
     rel_err,
@@ -89,6 +90,9 @@ def _oracle(keys, ref, cand, perts):
             rv, pv = r.view(k.rowcol), [p.view(k.rowcol) for p in ps]
             out[k.name]["rowcol_err"] = rowcol_err(full_c.view(k.rowcol), rv, pv, k.unit)
             out[k.name]["rowcol_noise"] = max(rowcol_noise(pv, rv, k.unit), default=0.0)
+            if ps:
+                out[k.name]["own_err"] = own_err(full_c.view(k.rowcol) - rv, rv, k.unit)
+                out[k.name]["own_noise"] = max(own_err(p - rv, rv, k.unit) for p in pv)
         if k.kind == "param_grad" and ps and r.numel():
             env = torch.stack([(p - r).abs() for p in ps]).amax(0)
             near = r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt())
@@ -131,8 +135,12 @@ def _traces(n_perturbed: int):
 
 @pytest.mark.parametrize("n_perturbed", [0, 1, 3])
 @pytest.mark.parametrize("chunk_elems", [200, 1 << 18])
-def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_elems):
+@pytest.mark.parametrize("wide", [False, True])
+def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_elems, wide):
+    """`wide`: the candidate's tensors in float64 (partial sums, scaled records) widen their chunks."""
     keys, ref, cand, perts = _traces(n_perturbed)
+    if wide:
+        cand = {n: t.double() for n, t in cand.items()}
     got = measure(keys, ref, cand, perts, K_ELEM, chunk_elems=chunk_elems)
     want = _oracle(keys, ref, cand, perts)
     for k in keys:
@@ -155,6 +163,8 @@ def test_chunked_figures_equal_the_per_tensor_definitions(n_perturbed, chunk_ele
         if n_perturbed > 1:
             assert got["0/0/big/output"].rowcol_err > 1e3 > got["0/0/rc/output"].rowcol_err > 0
             assert got["0/0/rc/output"].rowcol_noise > 0 and got["0/0/e/output"].rowcol_err == 0   # 3 rows
+            assert got["0/0/big/output"].own_err > 1e3 > got["0/0/rc/output"].own_err > 0
+            assert got["0/0/rc/output"].own_noise > 0 and got["0/0/e/output"].own_err == 0
     assert got["0/0/e/output"].nonfinite == 1
 
 

@@ -12,6 +12,7 @@ from tracer.tolerance import (
     elem_err,
     elem_noise,
     noise_scale,
+    own_err,
     rel_err,
     unit_roundoff,
 )
@@ -131,3 +132,31 @@ def test_scale_is_judged_on_outputs_and_grads_of_two_or_more_dims_only():
     assert math.isinf(policy.scale_tolerance([1e-3], "float32", "param_grad", (64,)))
     assert math.isinf(policy.scale_tolerance([1e-3], "float32", "param", (64, 32)))
     assert math.isinf(policy.scale_tolerance([1e-3], "float32", "loss", ()))
+
+
+def test_own_err_reads_an_element_in_its_row_and_columns_noise_fitted_without_it():
+    """Noise whose size is a row factor times a column factor: an element set to 10 of its own noise
+    scales reads ~10 (its square is left out of the fit, so it cannot hide in its own row and
+    column), honest noise reads the extreme of its 4096 draws, and the figure does not depend on the
+    noise's overall size (self-normalized: a layout noisier than the perturbed runs alike)."""
+    g = torch.Generator().manual_seed(0)
+    rows, cols = torch.rand(64, 1, generator=g) + 0.5, torch.rand(1, 64, generator=g) + 0.5
+    sigma = rows * cols * 1e-3
+    x = torch.randn(64, 64, generator=g, dtype=torch.float64) * sigma
+    r = torch.randn(64, 64, generator=g, dtype=torch.float64)
+    honest = own_err(x, r, 0.0)
+    assert 2.5 < honest < 5 and own_err(x * 100, r, 0.0) == pytest.approx(honest)
+    x[5, 7] = 10 * sigma[5, 7]
+    assert own_err(x, r, 0.0) == pytest.approx(10, rel=0.15)
+    assert own_err(torch.zeros(64, 64), r, 2**-8) == 0 and own_err(x[:4], r[:4], 0.0) == 0   # 4 rows: no view
+
+
+def test_the_joint_single_element_rule_is_judged_under_gemm_rounding_draws_only():
+    p = TolerancePolicy()
+    assert p.own_tolerances(3.0, 2.0, (64, 64), draws=True) == (4.5, 4.0)
+    assert p.own_tolerances(1.0, 2.0, (64, 64), draws=True) == (4.0, 4.0)   # floor_elem
+    assert p.own_tolerances(3.0, 2.0, (64, 64), draws=False) == (math.inf, math.inf)
+    assert p.own_tolerances(3.0, 2.0, None, draws=True) == (math.inf, math.inf)
+    assert TolerancePolicy(k_own=0).own_tolerances(3.0, 2.0, (64, 64), True) == (math.inf, math.inf)
+    configured = TolerancePolicy.from_config({"k_own": 2, "k_joint": 3})
+    assert configured.own_tolerances(3.0, 2.0, (8, 8), True) == (6, 6)
