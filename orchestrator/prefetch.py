@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from orchestrator.refcache import ReferenceSet
+from tracer import kernels
 from tracer.compare_inputs import prepare_reference_side
 from tracer.errors import TTraceError
 from tracer.logical import LogicalTrace, load_logical
@@ -42,6 +43,8 @@ class ReferencePrefetch:
     """Reads each reference set ahead once its jobs are done (`poll`, called on every job change)."""
 
     def __init__(self, refsets: list[ReferenceSet], budget_bytes: int | None = None):
+        # The comparison's compiled kernels loaded while the jobs run (~0.5 s in a fresh process).
+        threading.Thread(target=kernels.warm_up, name="ttrace-kernels", daemon=True).start()
         self.budget = int(os.environ.get(ENV, BUDGET_BYTES)) if budget_bytes is None else budget_bytes
         self._sets = refsets
         self._reads: dict[int, Future] = {}       # id(refset) -> future of (reference, perturbed, prepared)

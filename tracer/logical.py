@@ -157,6 +157,7 @@ class StoredTensors(Mapping[str, Assembled]):
                 if e["name"] not in self.info or rt.rank < self.info[e["name"]]["rank"]:
                     self.info[e["name"]] = dict(e, rank=rt.rank)
         self._parts: dict[tuple[int, str], Future] = {}         # parts read or being read
+        self._ready: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # ... and their tensors, once read
         self._left: dict[tuple[int, str], int] = {}            # their tensors not assembled yet
         self._read: set[tuple[int, str]] = set()               # parts read at least once
         self._ahead: set[tuple[int, str]] = set()              # parts whose successors were read ahead
@@ -193,6 +194,7 @@ class StoredTensors(Mapping[str, Assembled]):
             self._left[part] -= 1
             if self._left[part] == 0:
                 del self._parts[part], self._left[part]
+                self._ready.pop(part, None)
         layout = self._layouts.get(name)
         if layout is None:
             layout = self._layouts[name] = Layout.from_json(self.info[name]["layout"])
@@ -203,8 +205,12 @@ class StoredTensors(Mapping[str, Assembled]):
         part's lookups is per walk); later lookups read the parts again."""
         self._parts.clear()
         self._left.clear()
+        self._ready.clear()
 
     def _part(self, rt: RankTrace, part: tuple[int, str]) -> dict[str, torch.Tensor]:
+        ready = self._ready.get(part)
+        if ready is not None:   # read, verified and read ahead of already: no future to wait on
+            return ready
         if part not in self._parts:
             self._fetch(rt, part)
         # Read ahead, once per part used: the walk in execution order needs the rank's next parts
@@ -215,7 +221,8 @@ class StoredTensors(Mapping[str, Assembled]):
             for nxt in files[i + 1:i + 1 + READ_THREADS]:
                 if (part[0], nxt) not in self._read:
                     self._fetch(rt, (part[0], nxt))
-        return self._parts[part].result()
+        ready = self._ready[part] = self._parts[part].result()
+        return ready
 
     def _fetch(self, rt: RankTrace, part: tuple[int, str]) -> None:
         info = rt.manifest["files"][self._position[part]]

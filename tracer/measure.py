@@ -2,9 +2,9 @@
 
 A trace holds thousands of mostly small tensors: judged one at a time, each costs ~100 torch
 dispatches whatever its size, and the comparison ran at ~0.1 GB/s. Here consecutive tensors (in the
-reference's execution order) are concatenated into flat chunks of about `chunk_elems` elements,
-every elementwise formula runs once per chunk, and per-tensor figures come from blocked
-reductions (see Blocks). Chunks stay cache-sized, and their temporaries come from the heap
+reference's execution order) are concatenated into flat chunks of about `chunk_elems` elements
+(tracer/chunk.py), and compiled kernels (tracer/kernels.py) compute every tensor's figures in two
+passes over a chunk. Chunks stay cache-sized, and their temporaries come from the heap
 (tracer/heap.py).
 
 What needs no candidate is tracer/reference_side.py's: `prepare` computes it ahead for chunks
@@ -27,14 +27,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tracer.blocks import Blocks, leave_one_out, max_rows, no_nan, ratio
+from tracer import kernels
+from tracer.chunk import ChunkLayout
 from tracer.chunk_pool import default_workers, ordered_map, single_threaded_ops
 from tracer.errors import TraceError
 from tracer.heap import heap_keeps_chunks
 from tracer.reference_side import ReferenceSide, reference_side
-from tracer.rowcol import rowcol_err
 
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
 
@@ -158,11 +159,11 @@ def prepare(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     with single_threaded_ops():   # a background thread's work (orchestrator/prefetch.py): one core
         for chunk in _chunks(keys, chunk_elems) if perturbed else []:
             if not any(k.kind == "param" for k in chunk):
-                names, blocks = [k.name for k in chunk], Blocks([k.numel for k in chunk])
+                names, layout = [k.name for k in chunk], ChunkLayout([k.numel for k in chunk])
                 dtype = _dtype(names, [reference, *perturbed])
                 out[names[0]] = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk],
-                                               blocks, dtype, blocks.flat(reference, names, dtype),
-                                               [blocks.flat(p, names, dtype) for p in perturbed])
+                                               layout, dtype, layout.flat(reference, names, dtype),
+                                               layout.stack(perturbed, names, dtype))
     return out
 
 
@@ -181,41 +182,28 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
         if side.names != tuple(names):
             raise TraceError(f"the prepared reference side of chunk {names[0]!r} does not match the chunk "
                              "(runs or keys changed since it was prepared); compare without it")
-        dtype, blocks, r = side.dtype, side.blocks, side.r
-        ps: list[torch.Tensor] = []
+        dtype, layout, r = side.dtype, side.layout, side.r
     else:
         dtype = _dtype(names, [reference, candidate, *perturbed])
-        blocks = Blocks([k.numel for k in chunk])
-        r = blocks.flat(reference, names, dtype)
-        ps = [blocks.flat(p, names, dtype) for p in perturbed]
-    lengths = torch.tensor(blocks.lens, dtype=torch.float64)
-    c = blocks.flat(candidate, names, dtype)
-    dc_full = c - r   # once: for the figures, the excusal and the row-column metric
-    if side is None:
-        d_full = [p - r for p in ps]
-        a_full = [d.abs() for d in d_full]
-        env_full = max_rows(a_full) if ps else torch.zeros_like(r)
+        layout = ChunkLayout([k.numel for k in chunk])
+        r = layout.flat(reference, names, dtype)
+        ps = layout.stack(perturbed, names, dtype)
+    c = layout.flat(candidate, names, dtype)
+    n = len(names)
 
     # Params (never in a prepared chunk): update each path's mask with the elements its gradient
     # deviation explains, then judge the elements outside the mask with the figures below, and the
     # excused ones against bounds (excused_dev, beyond; tracer.compare): never unconditionally.
-    judged, counts = None, lengths
+    judged = None
     params = [(i, k) for i, k in enumerate(chunk) if k.kind == "param"]
-    n = len(names)
-    excused_dev, env_max, beyond, beyond_noise = [0.0] * n, [0.0] * n, [0] * n, [0] * n
+    excused, excused_dev, env_max, beyond, beyond_noise = [0] * n, [0.0] * n, [0.0] * n, [0] * n, [0] * n
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
-        flat = lambda x: x.view(-1)
-        diff_full, env_flat = flat(dc_full.abs()), flat(env_full)
-        loo_full = [flat(x) for x in leave_one_out(a_full)] if len(ps) > 1 else []
-        tiny = torch.finfo(dtype).tiny
-        judged, excused = torch.ones_like(r, dtype=torch.bool), [0.0] * n
+        judged = torch.ones(layout.size, dtype=torch.bool)
+        none = np.zeros(0)
         for i, k in params:
-            sl = blocks.slice(i)
-            if k.numel:
-                env_max[i] = float(env_flat[sl].max())
-            r_abs = (r_now := flat(r)[sl]).abs()
-            absmax[i] = float(r_abs.max()) if k.numel else 0.0
+            sl = layout.slice(i)
+            r_now = r[sl]
             before = excusal.previous.get(k.path)
             if before is not None and before.numel() == k.numel:
                 step_max = float((r_now - before.to(dtype)).abs().max()) if k.numel else 0.0
@@ -223,49 +211,39 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
             excusal.previous[k.path] = r_now.clone()
             updates[i] = excusal.updates.get(k.path, math.nan)
             dev = excusal.grad_dev.get(k.path)
-            if ps and dev is not None and dev[0].numel() == k.numel:
-                c_dg, p_dg = (x.to(dtype) for x in dev)
-                gain = torch.where(p_dg > 0, env_flat[sl] / p_dg.clamp_min(tiny), 0.0)
-                diff = diff_full[sl]
-                excusal.add(k.path, (diff > 0) & (c_dg > 0) & (diff <= excusal.k * gain * c_dg))
+            explain = len(ps) > 0 and dev is not None and dev[0].numel() == k.numel
             mask = excusal.masks.get(k.path)
-            if mask is not None and mask.numel() == k.numel:
-                flat(judged)[sl] = ~mask
-                excused[i] = float(mask.sum())
-                if excused[i]:
-                    d_ex = diff_full[sl][mask]
-                    excused_dev[i] = float(d_ex.max())
-                    # Beyond its own envelope (one ulp of room where no run moved it): honest
-                    # candidates do that about as often as a perturbed run does against the others.
-                    room = r_abs[mask] * k.unit   # this tensor's elements, not the chunk's
-                    beyond[i] = int((d_ex > excusal.k * torch.maximum(env_flat[sl][mask], room)).sum())
-                    beyond_noise[i] = max((int((flat(a_full[j])[sl][mask] > excusal.k * torch.maximum(
-                        loo[sl][mask], room)).sum()) for j, loo in enumerate(loo_full)), default=0)
-        counts = lengths - torch.tensor(excused, dtype=torch.float64)
+            if mask is None or mask.numel() != k.numel:
+                mask = torch.zeros(k.numel, dtype=torch.bool)
+                known = False
+            else:
+                known = True
+            added, env_max[i], absmax[i], excused[i], excused_dev[i], beyond[i], beyond_noise[i] = \
+                kernels.excusal.param(r.numpy(), ps.numpy(), c.numpy(), np.uint64(sl.start), k.numel,
+                                      mask.numpy(), dev[0].numpy() if explain else none,
+                                      dev[1].numpy() if explain else none, explain, excusal.k, k.unit)
+            if known or added:
+                excusal.masks[k.path] = mask
+                judged[sl] = ~mask
     if side is None:
-        side = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk], blocks, dtype, r, ps,
-                              d_full, a_full, judged, counts if judged is not None else None)
+        side = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk], layout, dtype, r, ps,
+                              judged)
 
     # The candidate against the reference side: every figure over the judged elements.
-    dc = dc_full if judged is None else torch.where(judged, dc_full, 0.0)
-    adc = dc.abs()
-    elem_err = blocks.max(no_nan(adc / torch.addcmul(side.env, side.mag, side.room)))
-    dc2 = blocks.sumsq(dc)
-    rel = ratio(dc2.sqrt(), side.rn_eff)
-    max_err = ratio(blocks.max(adc), side.r_absmax)
-    # cosine from ||r||, ||c - r|| and r.(c - r): c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
-    rn2, rn = side.rn2, side.rn
-    r_dc = blocks.dot(side.rj.double(), dc)
-    # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
-    scale_err = torch.where(rn2 > 0, r_dc / rn2.clamp_min(1e-300), 0.0)
-    cn = (rn2 + 2 * r_dc + dc2).clamp_min(0).sqrt()
-    cos = torch.where((cn == 0) | (rn == 0), (cn == rn).double(), (rn2 + r_dc) / (cn * rn).clamp_min(1e-300))
-    # Non-finite values: ||c - r||^2 is finite exactly when c is (where r is; the reference side counts r)
-    zero = torch.zeros(n, dtype=torch.float64)
-    finite = judged is None and bool(torch.isfinite(dc2).all())
-    nonfinite = zero if finite else blocks.count(~torch.isfinite(c))
-    ref_nonfinite = zero if side.ref_nonfinite is None else side.ref_nonfinite
-    pert_nonfinite = zero if side.pert_nonfinite is None else side.pert_nonfinite
+    rc = side.rowcol
+    dc2, dc_max, r_dc, elem_err, nonfinite, rc_err, own_err = kernels.candidate(
+        c.numpy(), r.numpy(), side.env.numpy(), side.judged, layout.starts, layout.lengths,
+        side.units, side.rms, side.nu, rc.rows, rc.cols, rc.a_off, rc.c_off, rc.a_all, rc.cf_all, rc.rms)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = _ratio(np.sqrt(dc2), side.rn_eff)
+        max_err = _ratio(dc_max, side.r_absmax)
+        # Projections on r: a uniform scale error shows in full, honest noise (nearly orthogonal) barely.
+        rn2 = side.rn2
+        scale_err = np.where(rn2 > 0, r_dc / np.maximum(rn2, 1e-300), 0.0)
+        # cosine from ||r||, ||c - r|| and r.dc: c.r = ||r||^2 + r.dc, ||c||^2 = ||r||^2 + 2 r.dc + ||dc||^2
+        rn, cn = np.sqrt(rn2), np.sqrt(np.maximum(rn2 + 2 * r_dc + dc2, 0.0))
+        cos = np.where((cn == 0) | (rn == 0), (cn == rn).astype(np.float64),
+                       (rn2 + r_dc) / np.maximum(cn * rn, 1e-300))
 
     # param_grad: elements within noise of zero, and the per-element deviations a later param's
     # excusal is measured against (unmasked: a gradient is always judged whole).
@@ -273,27 +251,27 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue
-            sl = blocks.slice(i)
-            e = side.env_full.view(-1)[sl]
-            rv = r.view(-1)[sl]
-            near_zero = rv.abs() <= excusal.k * (e + (side.noise[i].item() + k.unit) * side.rms[i].item())
-            # Zero in every run, the candidate too: a deterministic (zero) update, never excused.
-            near_zero &= ~((rv == 0) & (e == 0) & (dc_full.view(-1)[sl] == 0))
-            excusal.add(k.path, near_zero)
-            # a copy, not a view: the chunk's buffers are freed when the chunk is done
-            excusal.grad_dev[k.path] = (dc_full.view(-1)[sl].abs(), e.clone())
+            near = torch.empty(k.numel, dtype=torch.bool)
+            dev, env = torch.empty(k.numel, dtype=torch.float64), torch.empty(k.numel, dtype=torch.float64)
+            room, lo = float((side.noise[i] + k.unit) * side.rms[i]), np.uint64(layout.offsets[i])
+            kernels.excusal.gradient(r.numpy(), c.numpy(), side.env_full.numpy(), lo, k.numel, excusal.k,
+                                     room, near.numpy(), dev.numpy(), env.numpy())
+            excusal.add(k.path, near)
+            excusal.grad_dev[k.path] = (dev, env)
 
-    (rc_err, own_err), rc, moved = rowcol_err(side.rowcol, blocks, dc_full), side.rowcol, side.moved
-    noise, elem_noise, max_noise, scale_noise = side.noise, side.elem_noise, side.max_noise, side.scale_noise
-    rows = torch.stack([rel, max_err, cos, nonfinite, ref_nonfinite, pert_nonfinite, noise, elem_noise,
-                        max_noise, elem_err, lengths - counts, scale_err, scale_noise]).tolist()
-    return {k.name: TensorStats(rel_err=rows[0][i], max_err=rows[1][i], cosine=rows[2][i],
-                                nonfinite=int(rows[3][i]), ref_nonfinite=int(rows[4][i]),
-                                perturbed_nonfinite=int(rows[5][i]), noise=rows[6][i],
-                                elem_noise=rows[7][i], max_noise=rows[8][i], elem_err=rows[9][i],
-                                excused=int(rows[10][i]), moved=moved[i], excused_dev=excused_dev[i],
-                                env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
-                                updates=updates[i], absmax=absmax[i], scale_err=rows[11][i],
-                                scale_noise=rows[12][i], rowcol_err=rc_err[i], rowcol_noise=rc.noise[i],
-                                own_err=own_err[i], own_noise=rc.own_noise[i])
+    return {k.name: TensorStats(rel_err=float(rel[i]), max_err=float(max_err[i]), cosine=float(cos[i]),
+                                nonfinite=int(nonfinite[i]), ref_nonfinite=int(side.ref_nonfinite[i]),
+                                perturbed_nonfinite=int(side.pert_nonfinite[i]), noise=float(side.noise[i]),
+                                elem_noise=float(side.elem_noise[i]), max_noise=float(side.max_noise[i]),
+                                elem_err=float(elem_err[i]), excused=excused[i], moved=side.moved[i],
+                                excused_dev=excused_dev[i], env_max=env_max[i], beyond=beyond[i],
+                                beyond_noise=beyond_noise[i], updates=updates[i], absmax=absmax[i],
+                                scale_err=float(scale_err[i]), scale_noise=float(side.scale_noise[i]),
+                                rowcol_err=float(rc_err[i]), rowcol_noise=float(rc.noise[i]),
+                                own_err=float(own_err[i]), own_noise=float(rc.own_noise[i]))
             for i, k in enumerate(chunk)}
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den per tensor with 0/x = 0 and x/0 = inf (the per-tensor definitions' conventions)."""
+    return np.where(num == 0, 0.0, np.where(den > 0, num / np.where(den > 0, den, 1.0), math.inf))

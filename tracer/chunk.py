@@ -1,0 +1,63 @@
+"""The layout of a chunk of the comparison (tracer/measure.py): consecutive tensors of a run laid out
+back to back in one flat array, as tracer/kernels/ walks it (tensor i at `starts[i]`, `lens[i]`
+elements)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+
+class ChunkLayout:
+    """Where each of a chunk's tensors lies in its flat arrays."""
+
+    def __init__(self, lens: Sequence[int]):
+        self.lens = list(lens)
+        self.offsets = [0]
+        for n in self.lens:
+            self.offsets.append(self.offsets[-1] + n)
+        self.size = self.offsets[-1]
+        self.starts = np.array(self.offsets[:-1], dtype=np.int64)
+        self.lengths = np.array(self.lens, dtype=np.int64)
+
+    def flat(self, run: Mapping[str, torch.Tensor], names: Sequence[str], dtype: torch.dtype,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The run's tensors of the chunk, flat, in `dtype` (into `out` if given). Tensors of that
+        dtype lying back to back in memory (a single-rank run's part file holds them in record
+        order: tracer/store.py) are viewed where they lie, not copied."""
+        pieces = [run[name].reshape(-1) for name in names]
+        if out is None:
+            whole = _adjacent(pieces, dtype)
+            if whole is not None:
+                return whole
+            return torch.cat(pieces).to(dtype)
+        return torch.cat(pieces, out=out)
+
+    def stack(self, runs: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str],
+              dtype: torch.dtype) -> torch.Tensor:
+        """(len(runs), size): each run's chunk flat, one row per run."""
+        out = torch.empty((len(runs), self.size), dtype=dtype)
+        for i, run in enumerate(runs):
+            self.flat(run, names, dtype, out=out[i])
+        return out
+
+    def slice(self, i: int) -> slice:
+        """Tensor i's elements in the flat arrays."""
+        return slice(self.offsets[i], self.offsets[i + 1])
+
+
+def _adjacent(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """One flat view of contiguous pieces of `dtype` that follow each other in one storage, else None."""
+    first = pieces[0]
+    if first.dtype != dtype or not first.is_contiguous():
+        return None
+    storage, at, size = first.untyped_storage().data_ptr(), first.data_ptr(), dtype.itemsize
+    end = at + first.numel() * size
+    for p in pieces[1:]:
+        if (p.data_ptr() != end or p.dtype != dtype or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != storage):
+            return None
+        end += p.numel() * size
+    return first.as_strided(((end - at) // size,), (1,))

@@ -1,0 +1,48 @@
+"""The comparison's elementwise arithmetic, compiled (numba): a chunk's figures in two passes over its
+flat arrays, where the same formulas as torch operations read and wrote the whole chunk about a
+hundred times (tracer/measure.py).
+
+The definitions are tracer/tolerance.py's; tests/tracer/test_measure.py holds these equal to them.
+Differences `p - r`, `c - r` are taken in the arrays' own dtype (float32, or float64 for a widened
+chunk: nearby values subtract exactly), everything after that in float64. Conventions of the
+definitions: a ratio 0/0 is 0 (an element nothing moved), x/0 is inf; the candidate's largest
+|c - r| propagates NaN; non-finite values are counted.
+
+How it is fast. A tensor is walked row by row (the rows of its row-column view; a tensor without one
+is a single row), in pieces of at most TILE elements. Within a piece every formula is a loop without
+a branch over flat arrays indexed by unsigned integers, which LLVM vectorizes (a signed index gets
+Python's negative-index check, which stops it). Each element's ratio is kept in a piece-sized
+running maximum (`q > acc`, which also ignores the NaN of 0/0) reduced once per tensor: a running
+maximum kept inline (`if q > worst`) mispredicts on random data and does not vectorize (20-30 ns
+per element instead of 2). Sums may be reordered (`reassoc`, vectorized): their value moves by a
+rounding of float64.
+
+A chunk holds its tensors back to back (tracer/blocks.py: tensor t at `starts[t]`, `lens[t]`
+elements; padding is never read). The functions release the GIL: chunks are measured on several
+threads (tracer/chunk_pool.py). Compiled once per machine and cached beside these files (numba's
+cache); `warm_up` loads them in a fresh process (~0.5 s) before a comparison needs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracer.kernels import excusal
+from tracer.kernels.candidate import candidate
+from tracer.kernels.reference import reference_side
+
+__all__ = ["candidate", "excusal", "reference_side", "warm_up"]
+
+
+def warm_up() -> None:
+    """Load (or compile) the kernels now, for float32 and float64 chunks: a fresh process pays it once,
+    here rather than inside its first comparison (orchestrator/prefetch.py calls it while the jobs
+    run)."""
+    one, zero, none = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0)
+    offsets = np.zeros(2, np.int64)
+    for dtype in (np.float32, np.float64):
+        x, f8 = np.zeros(1, dtype), np.zeros(1)
+        side = reference_side(x, x.reshape(1, 1), none, zero, one, f8, zero, zero, offsets, offsets,
+                              x.copy(), x.copy(), f8.copy(), f8.copy())
+        candidate(x, x, x, none, zero, one, f8, side[3], side[4], zero, zero, offsets, offsets, f8, f8,
+                  side[12])

@@ -1,0 +1,79 @@
+"""The Adam excusal's per-element work, compiled (used by tracer/measure.py, which says what the
+excusal is): a gradient's elements within noise of zero, and a post-step parameter's elements
+whose deviation its gradient's deviation explains, with the bounds every excused element is still
+held to."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from tracer.kernels.loops import JIT, U, nanmax
+
+
+@numba.njit(**JIT)
+def gradient(r, c, env_full, lo, n, k, room, near, dev, env):
+    """A param_grad of n elements at lo: near[j] = |r| <= k (env + room) (within noise of zero: its
+    update may go either way), except where the reference, every perturbed run and the candidate are
+    exactly zero (a deterministic zero update); dev[j] = |c - r| and env[j] = the perturbed runs'
+    envelope, kept for the param's excusal. `room` = (noise + unit) x rms(r)."""
+    for j in range(U(n)):
+        at = lo + j
+        rv = np.float64(r[at])
+        e = np.float64(env_full[at])
+        d = abs(np.float64(c[at] - r[at]))
+        near[j] = abs(rv) <= k * (e + room) and not (rv == 0.0 and e == 0.0 and d == 0.0)
+        dev[j] = d
+        env[j] = e
+
+
+@numba.njit(**JIT)
+def param(r, P, c, lo, n, mask, c_dg, p_dg, explain, k, unit):
+    """A post-step param of n elements at lo. With `explain`, mask (bool, n) gains the elements whose
+    deviation the candidate's gradient deviation c_dg explains: 0 < |c - r| <= k x gain x c_dg, gain
+    the perturbed runs' parameter envelope over their gradient envelope p_dg. Returns (added,
+    env_max, absmax, excused, excused_dev, beyond, beyond_noise): the perturbed runs' largest move
+    and the reference's largest element; over the excused (masked) elements their count, their
+    largest |c - r| (NaN propagates), how many lie beyond k x their envelope (one ulp of room where no
+    run moved them), and the most any perturbed run has beyond the others' envelope."""
+    R = P.shape[0]
+    added, env_max, absmax = 0, 0.0, 0.0
+    for j in range(U(n)):
+        at = lo + j
+        rv = r[at]
+        e = 0.0
+        for q in range(R):
+            e = max(e, abs(np.float64(P[q, at] - rv)))
+        env_max = max(env_max, e)
+        absmax = max(absmax, abs(np.float64(rv)))
+        if explain and not mask[j]:
+            d = abs(np.float64(c[at] - rv))
+            gain = e / p_dg[j] if p_dg[j] > 0.0 else 0.0
+            if d > 0.0 and c_dg[j] > 0.0 and d <= k * gain * c_dg[j]:
+                mask[j] = True
+                added += 1
+    excused, excused_dev, beyond = 0, 0.0, 0
+    noise = np.zeros(R, dtype=np.int64)
+    for j in range(U(n)):
+        if not mask[j]:
+            continue
+        at = lo + j
+        rv = r[at]
+        d = abs(np.float64(c[at] - rv))
+        excused += 1
+        excused_dev = nanmax(excused_dev, d)
+        room = abs(np.float64(rv)) * unit
+        e = 0.0
+        for q in range(R):
+            e = max(e, abs(np.float64(P[q, at] - rv)))
+        if d > k * max(e, room):
+            beyond += 1
+        if R > 1:
+            for q in range(R):
+                others = 0.0
+                for q2 in range(R):
+                    if q2 != q:
+                        others = max(others, abs(np.float64(P[q2, at] - rv)))
+                if abs(np.float64(P[q, at] - rv)) > k * max(others, room):
+                    noise[q] += 1
+    return added, env_max, absmax, excused, excused_dev, beyond, noise.max() if R > 1 else 0

@@ -1,0 +1,109 @@
+"""The loops the kernels are made of (tracer/kernels/__init__.py says why they look like this), each
+inlined into its caller and indexed by unsigned offsets into flat arrays."""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+JIT = {"nogil": True, "cache": True, "error_model": "numpy", "boundscheck": False,
+        "fastmath": {"reassoc"}}
+INLINE = dict(JIT, inline="always")
+TILE = 512   # elements of a piece: its scratch arrays stay in L1
+U = np.uint64
+
+
+@numba.njit(**INLINE)
+def ratio(num, den):
+    """num / den per the definitions: 0/x = 0, x/0 = inf (tracer.blocks.ratio)."""
+    if num == 0.0:
+        return 0.0
+    if den > 0.0:
+        return num / den
+    return math.inf
+
+
+@numba.njit(**INLINE)
+def nanmax(m, v):
+    """max(m, v) where a NaN, once seen, stays."""
+    if m != m:
+        return m
+    return v if not v <= m else m
+
+
+@numba.njit(**INLINE)
+def deviations(x, r, lo, m, keep, masked, a, ao):
+    """a[ao:ao + m] = |x - r| over x[lo:lo + m] (float64; 0 at elements keep marks 0 when `masked`);
+    returns (sum of (x - r)^2, sum of r (x - r)) over the kept elements."""
+    s2, dot = 0.0, 0.0
+    for j in range(U(m)):
+        d = np.float64(x[lo + j] - r[lo + j])
+        if masked:
+            d = d if keep[lo + j] > 0.0 else 0.0
+        a[ao + j] = abs(d)
+        s2 += d * d
+        dot += np.float64(r[lo + j]) * d
+    return s2, dot
+
+
+@numba.njit(**INLINE)
+def max_into(acc, x, xo, m):
+    """acc[:m] = max(acc[:m], x[xo:xo + m]); a NaN in x is ignored."""
+    for j in range(U(m)):
+        v = x[xo + j]
+        c = acc[j]
+        acc[j] = v if v > c else c
+
+
+@numba.njit(**INLINE)
+def ratios_into(acc, x, xo, w, m):
+    """acc[:m] = max(acc[:m], x[xo:xo + m] / w[:m]): 0/0 ignored, x/0 inf."""
+    for j in range(U(m)):
+        q = x[xo + j] / w[j]
+        c = acc[j]
+        acc[j] = q if q > c else c
+
+
+@numba.njit(**INLINE)
+def own_into(acc, x, xo, room, row_sum, cs, co, total, i_c, i_r, i_n, m):
+    """acc[:m] = max(acc[:m], |x| / w), w = sqrt(a b / m) + room fitted without each element's own
+    square (tracer.tolerance.own_err): a = (row_sum - x^2) / (cols - 1), b = (cs - x^2) / (rows - 1),
+    m = (total - x^2) / (n - 1) (i_c, i_r, i_n the reciprocals)."""
+    for j in range(U(m)):
+        v = x[xo + j]
+        sq = v * v
+        a = max(row_sum - sq, 0.0) * i_c
+        b = max(cs[co + j] - sq, 0.0) * i_r
+        mm = max(total - sq, 0.0) * i_n
+        fit = a * b / mm
+        w = math.sqrt(fit if mm > 0.0 else 0.0) + room[j]
+        q = v / w
+        c = acc[j]
+        acc[j] = q if q > c else c
+
+
+@numba.njit(**INLINE)
+def largest(x, m):
+    """max(x[:m]) of non-negative values (0 for none); NaN propagates."""
+    best = 0.0
+    for j in range(U(m)):
+        best = nanmax(best, x[j])
+    return best
+
+
+@numba.njit(**INLINE)
+def count_nonfinite(x, lo, n):
+    bad = 0
+    for j in range(U(n)):
+        bad += 0 if math.isfinite(np.float64(x[lo + j])) else 1
+    return bad
+
+
+@numba.njit(**INLINE)
+def view(n, rows, cols):
+    """The walk's (rows, cols) over a tensor: its row-column view, or one row of n elements."""
+    if rows > 0:
+        return rows, cols, True
+    return 1, n, False

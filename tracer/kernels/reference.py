@@ -1,0 +1,193 @@
+"""The reference set's side of a chunk's figures, compiled (used by tracer/reference_side.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+from tracer.kernels.loops import (
+    JIT,
+    TILE,
+    U,
+    count_nonfinite,
+    deviations,
+    largest,
+    max_into,
+    nanmax,
+    own_into,
+    ratio,
+    ratios_into,
+    view,
+)
+
+
+@numba.njit(**JIT)
+def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
+                   env, env_full, a_all, cf_all):
+    """Everything of a chunk's figures that needs no candidate (tracer/reference_side.py).
+
+    r (N,) the reference, P (R, N) the perturbed runs, judged (N,) 1.0/0.0 or (0,) for all:
+    elements of post-step params left out by the Adam excusal. Per tensor t: units[t] its unit
+    roundoff, rows[t] x cols[t] its row-column view (rows 0: not judged that way; never with
+    `judged`). Written: env (N,) max_r |p_r - r| over judged elements (0 elsewhere), env_full (N,)
+    over all (may be env itself), and for row-column tensors the all-runs row factors
+    a_i = sqrt(A_i / (R T)) at a_all[a_off[t]:] and column factors sqrt(B_j) at cf_all[c_off[t]:].
+    Returns per-tensor float64 arrays (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise,
+    scale_noise, ref_nonfinite, pert_nonfinite, moved, rc_rms, rc_noise, own_noise)."""
+    T = starts.shape[0]
+    R = P.shape[0]
+    masked = judged.shape[0] > 0
+    out = np.zeros((14, T))
+    (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf,
+     rc_rms, rc_noise, own_noise) = out
+    moved = np.zeros(T, dtype=np.int64)
+    pn2, dots, scl, nu_u = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
+    a = np.zeros(max(R, 1) * TILE)   # |p_k - r| of the piece, run k at k * TILE
+    e, w, mt, acc, acc_rc, acc_own = (np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE),
+                                      np.zeros(TILE), np.zeros(TILE))
+    for t in range(T):
+        s0, n, u = U(starts[t]), lens[t], units[t]
+        nr, nc, viewed = view(n, rows[t], cols[t])
+        viewed = viewed and R > 0
+        rs = np.zeros((R, nr if viewed else 0))
+        cs = np.zeros(R * nc if viewed else 0)   # run k's column sums at k * nc
+        # Pass 1: sums, envelopes, maxima.
+        pn2[:] = 0.0
+        dots[:] = 0.0
+        s_rn2, s_all, amax, emax, count = 0.0, 0.0, 0.0, 0.0, 0.0
+        for i in range(nr):
+            for j0 in range(0, nc, TILE):
+                m = min(TILE, nc - j0)
+                lo = s0 + U(i * nc + j0)
+                for j in range(U(m)):
+                    rf = np.float64(r[lo + j])
+                    kept = 1.0
+                    if masked:
+                        kept = judged[lo + j]
+                    s_all += rf * rf
+                    rk = rf if kept > 0.0 else 0.0
+                    s_rn2 += rk * rk
+                    count += kept
+                    amax = nanmax(amax, abs(rk))
+                    e[j] = 0.0
+                for k in range(R):
+                    ao = U(k * TILE)
+                    s2, dot = deviations(P[k], r, lo, m, judged, False, a, ao)
+                    max_into(e, a, ao, m)
+                    if viewed:
+                        rs[k, i] += s2
+                        co = U(k * nc + j0)
+                        for j in range(U(m)):
+                            cs[co + j] += a[ao + j] * a[ao + j]
+                    if masked:   # the norms over judged elements only
+                        s2, dot = deviations(P[k], r, lo, m, judged, True, a, ao)
+                    pn2[k] += s2
+                    dots[k] += dot
+                for j in range(U(m)):
+                    env_full[lo + j] = e[j]
+                if masked:
+                    for j in range(U(m)):
+                        e[j] = e[j] if judged[lo + j] > 0.0 else 0.0
+                for j in range(U(m)):
+                    env[lo + j] = e[j]
+                emax = nanmax(emax, largest(e, m))
+        if masked or not math.isfinite(s_all) or not math.isfinite(pn2.sum()):
+            ref_nf[t] = count_nonfinite(r, s0, n)
+            for k in range(R):
+                pert_nf[t] += count_nonfinite(P[k], s0, n)
+        rn = math.sqrt(s_rn2)
+        rn2[t] = s_rn2
+        rms[t] = rn / math.sqrt(count) if count > 0 else 0.0
+        r_absmax[t] = amax
+        rn_all = rn if not masked else math.sqrt(s_all)
+        big = 0.0
+        for k in range(R):
+            big = max(big, math.sqrt(pn2[k]))
+        rn_eff[t] = rn_all if (rn_all > 0.0 or R == 0) else big
+        for k in range(R):
+            pn = math.sqrt(pn2[k])
+            scl[k] = pn / rn if rn > 0.0 else 0.0
+            noise[t] = max(noise[t], ratio(pn, rn_eff[t]))
+            if pn > 0.0:
+                moved[t] |= 1 << k
+            if s_rn2 > 0.0:
+                scale_noise[t] = max(scale_noise[t], abs(dots[k] / s_rn2))
+            nu[t] = max(nu[t], scl[k])
+        max_noise[t] = ratio(emax, amax) if R > 0 else 0.0
+        if R == 0:
+            continue
+        for k in range(R):
+            other = 0.0
+            for j in range(R):
+                if j != k:
+                    other = max(other, scl[j])
+            nu_u[k] = other + u
+        rms_t = rms[t]
+        # Row-column factors: of all runs (the candidate's scale), and of all runs but each one.
+        tot = np.zeros(R)
+        la = np.zeros((R, nr if viewed else 0))
+        lc = np.zeros(R * nc if viewed else 0)
+        i_c, i_r, i_n, w_rms = 0.0, 0.0, 0.0, 0.0
+        if viewed:
+            rc_rms[t] = w_rms = math.sqrt(s_all / n)
+            for k in range(R):
+                tot[k] = rs[k].sum()
+            total = tot.sum()
+            a0, c0 = a_off[t], c_off[t]
+            for i in range(nr):
+                a_all[a0 + i] = math.sqrt(rs[:, i].sum() / (R * total)) if total > 0.0 else 0.0
+            for j in range(nc):
+                col = 0.0
+                for k in range(R):
+                    col += cs[k * nc + j]
+                cf_all[c0 + j] = math.sqrt(col)
+                for k in range(R):
+                    lc[k * nc + j] = math.sqrt(max(col - cs[k * nc + j], 0.0))
+            for k in range(R):
+                lt = total - tot[k]
+                for i in range(nr):
+                    si = rs[:, i].sum() - rs[k, i] if R > 1 else 0.0
+                    la[k, i] = math.sqrt(max(si, 0.0) / ((R - 1) * lt)) if lt > 0.0 else 0.0
+            i_c, i_r, i_n = 1.0 / (nc - 1), 1.0 / (nr - 1), 1.0 / (nr * nc - 1)
+        # Pass 2: each perturbed run against the scale of the others (leave-one-out), and in its own
+        # fitted row-column units.
+        acc[:] = 0.0
+        acc_rc[:] = 0.0
+        acc_own[:] = 0.0
+        for i in range(nr):
+            for j0 in range(0, nc, TILE):
+                m = min(TILE, nc - j0)
+                lo = s0 + U(i * nc + j0)
+                for k in range(R):
+                    deviations(P[k], r, lo, m, judged, masked, a, U(k * TILE))
+                for j in range(U(m)):
+                    mt[j] = abs(np.float64(r[lo + j])) + rms_t     # the element's magnitude
+                for k in range(R):
+                    for j in range(U(m)):
+                        w[j] = 0.0
+                    for q in range(R):
+                        if q != k:
+                            max_into(w, a, U(q * TILE), m)
+                    c_k = nu_u[k]
+                    for j in range(U(m)):
+                        w[j] += mt[j] * c_k
+                    ratios_into(acc, a, U(k * TILE), w, m)
+                if viewed:
+                    for j in range(U(m)):
+                        mt[j] = u * (abs(np.float64(r[lo + j])) + w_rms)   # the rounding room
+                    for k in range(R):
+                        ao = U(k * TILE)
+                        co = U(k * nc + j0)
+                        if R > 1:
+                            la_k = la[k, i]
+                            for j in range(U(m)):
+                                w[j] = la_k * lc[co + j] + mt[j]
+                            ratios_into(acc_rc, a, ao, w, m)
+                        own_into(acc_own, a, ao, mt, rs[k, i], cs, co, tot[k], i_c, i_r, i_n, m)
+        elem_noise[t] = largest(acc, TILE)
+        rc_noise[t] = largest(acc_rc, TILE)
+        own_noise[t] = largest(acc_own, TILE)
+    return (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf,
+            moved, rc_rms, rc_noise, own_noise)
