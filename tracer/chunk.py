@@ -22,15 +22,18 @@ class ChunkLayout:
         self.starts = np.array(self.offsets[:-1], dtype=np.int64)
         self.lengths = np.array(self.lens, dtype=np.int64)
 
-    def flat(self, run: Mapping[str, torch.Tensor], names: Sequence[str], dtype: torch.dtype,
+    def flat(self, run: Mapping[str, torch.Tensor] | torch.Tensor, names: Sequence[str], dtype: torch.dtype,
              out: torch.Tensor | None = None) -> torch.Tensor:
-        """The run's tensors of the chunk, flat, in `dtype` (into `out` if given). Tensors of that
-        dtype lying back to back in memory (a single-rank run's part file holds them in record
-        order: tracer/store.py) are viewed where they lie, not copied."""
-        pieces = [run[name].reshape(-1) for name in names]
+        """The run's tensors of the chunk, flat, in `dtype` (into `out` if given); `run` is a mapping of
+        names to tensors, or the chunk already flat (tracer.logical.StoredTensors.span). Tensors of
+        `dtype` lying back to back in memory are viewed where they lie, not copied."""
+        if isinstance(run, torch.Tensor):
+            pieces = [run]
+        else:
+            pieces = [run[name].reshape(-1) for name in names]
         if out is None:
-            whole = _adjacent(pieces, dtype)
-            if whole is not None:
+            whole = adjacent(pieces)
+            if whole is not None and whole.dtype == dtype:
                 return whole
             return torch.cat(pieces).to(dtype)
         return torch.cat(pieces, out=out)
@@ -48,10 +51,12 @@ class ChunkLayout:
         return slice(self.offsets[i], self.offsets[i + 1])
 
 
-def _adjacent(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
-    """One flat view of contiguous pieces of `dtype` that follow each other in one storage, else None."""
+def adjacent(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view of contiguous flat pieces of one dtype that follow each other in one storage,
+    else None."""
     first = pieces[0]
-    if first.dtype != dtype or not first.is_contiguous():
+    dtype = first.dtype
+    if not first.is_contiguous():
         return None
     storage, at, size = first.untyped_storage().data_ptr(), first.data_ptr(), dtype.itemsize
     end = at + first.numel() * size

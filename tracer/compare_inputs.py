@@ -11,7 +11,7 @@ import torch
 
 from tracer.errors import LayoutMismatch, TraceError
 from tracer.layouts import Assembled
-from tracer.logical import LogicalTrace
+from tracer.logical import LogicalTrace, StoredTensors
 from tracer.measure import TensorKey, prepare
 from tracer.reference_side import ReferenceSide
 from tracer.tolerance import rowcol_shape, unit_roundoff
@@ -45,6 +45,18 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
         if self.replicas is not None:
             self.replicas[name] = got
         return got.tensor
+
+    def span(self, names: Sequence[str]) -> torch.Tensor | None:
+        """The tensors `names` as one flat view where the stored run holds them back to back
+        (tracer.logical.StoredTensors.span) and each has the reference's shape; None otherwise (look
+        them up one by one, which says what is wrong)."""
+        stored = self.trace.tensors
+        if self.replicas is not None or not isinstance(stored, StoredTensors):
+            return None
+        info, want = self.trace.info, self.reference.shape
+        if any(tuple(info[n]["shape"]) != want(n) for n in names):
+            return None
+        return stored.span(names)
 
     def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
         assert self.replicas is not None

@@ -10,7 +10,7 @@ looked up again later is read again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
 
 _pool: ThreadPoolExecutor | None = None
@@ -157,7 +158,7 @@ class StoredTensors(Mapping[str, Assembled]):
                 if e["name"] not in self.info or rt.rank < self.info[e["name"]]["rank"]:
                     self.info[e["name"]] = dict(e, rank=rt.rank)
         self._parts: dict[tuple[int, str], Future] = {}         # parts read or being read
-        self._ready: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # ... and their tensors, once read
+        self._ready: dict[tuple[int, str], PartTensors] = {}   # ... and their tensors, once read
         self._left: dict[tuple[int, str], int] = {}            # their tensors not assembled yet
         self._read: set[tuple[int, str]] = set()               # parts read at least once
         self._ahead: set[tuple[int, str]] = set()              # parts whose successors were read ahead
@@ -200,6 +201,35 @@ class StoredTensors(Mapping[str, Assembled]):
             layout = self._layouts[name] = Layout.from_json(self.info[name]["layout"])
         return assemble(name, layout, pieces, self.sizes)
 
+    def span(self, names: Sequence[str]) -> torch.Tensor | None:
+        """The tensors `names` as one flat view of the part that holds them, where a single-rank run
+        recorded them back to back in this order (its parts hold its records in record order, the
+        execution order a comparison walks): no lookup per tensor, no copy. None otherwise (pieces on
+        several ranks, a part boundary, dtypes or scales that differ): look them up one by one."""
+        if len(self._files) != 1:
+            return None
+        first = self._pieces[names[0]][0]
+        rt, file = first[0], first[1].get("file")
+        entries = []
+        for name in names:
+            (piece,) = self._pieces[name]
+            e = piece[1]
+            if e.get("file") != file or float(e.get("scale", 1.0)) != 1.0:
+                return None
+            layout = e["layout"]
+            if any(ax not in self.sizes for _, ax in layout.get("shard", ())) or any(
+                    ax not in self.sizes for ax in layout.get("partial", ())):
+                return None   # the lookup raises the layout's error
+            entries.append(e)
+        part = (rt.rank, file)
+        whole = self._part(rt, part).span([e["key"] for e in entries])
+        if whole is not None:
+            self._left[part] -= len(names)
+            if self._left[part] == 0:
+                del self._parts[part], self._left[part]
+                self._ready.pop(part, None)
+        return whole
+
     def release(self) -> None:
         """Drop every part held. A lookup after the walk holds its part until then (the count of a
         part's lookups is per walk); later lookups read the parts again."""
@@ -207,7 +237,7 @@ class StoredTensors(Mapping[str, Assembled]):
         self._left.clear()
         self._ready.clear()
 
-    def _part(self, rt: RankTrace, part: tuple[int, str]) -> dict[str, torch.Tensor]:
+    def _part(self, rt: RankTrace, part: tuple[int, str]) -> PartTensors:
         ready = self._ready.get(part)
         if ready is not None:   # read, verified and read ahead of already: no future to wait on
             return ready
@@ -231,7 +261,7 @@ class StoredTensors(Mapping[str, Assembled]):
         self._read.add(part)
         self.resident_max = max(self.resident_max, len(self._parts))
 
-    def _verified(self, rt: RankTrace, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _verified(self, rt: RankTrace, info: dict[str, Any]) -> PartTensors:
         """One part, checksum-verified, holding exactly the keys the manifest lists for it."""
         tensors = rt.load_part(info)
         listed = self._keys.get((rt.rank, info["file"]), set())

@@ -131,8 +131,13 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     candidate. Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py)."""
     excusal, prepared = _Excusal(k_elem, excused_masks), prepared or {}
 
-    def load(chunk: list[TensorKey]) -> tuple[ReferenceSide | None, list[Mapping[str, torch.Tensor]]]:
-        read = lambda run: {k.name: run[k.name] for k in chunk}
+    def load(chunk: list[TensorKey]) -> tuple[ReferenceSide | None, list[Run]]:
+        names = [k.name for k in chunk]
+
+        def read(run: Mapping[str, torch.Tensor]) -> Run:
+            flat = _span(run, names)
+            return flat if flat is not None else {n: run[n] for n in names}
+
         got, side = read(candidate), prepared.get(chunk[0].name)
         # A candidate tensor in float64 (partial sums, a scaled record) widens the chunk: measured whole.
         if side is not None and (side.dtype == torch.float64 or _dtype(side.names, [got]) == side.dtype):
@@ -167,13 +172,23 @@ def prepare(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     return out
 
 
-def _dtype(names: Sequence[str], runs: Sequence[Mapping[str, torch.Tensor]]) -> torch.dtype:
+Run = Mapping[str, torch.Tensor] | torch.Tensor   # a run's tensors of a chunk, or the chunk already flat
+
+
+def _span(run: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor | None:
+    """The chunk of a stored run as one view, where it lies back to back (compare_inputs.span)."""
+    span = getattr(run, "span", None)
+    return span(names) if span is not None else None
+
+
+def _dtype(names: Sequence[str], runs: Sequence[Run]) -> torch.dtype:
     """The chunk's working dtype: float64 if any run holds a float64 tensor in it, else float32."""
-    wide = any(run[n].dtype == torch.float64 for run in runs for n in names)
+    wide = any((run.dtype if isinstance(run, torch.Tensor) else run[n].dtype) == torch.float64
+               for run in runs for n in names)
     return torch.float64 if wide else torch.float32
 
 
-def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Mapping[str, torch.Tensor]], excusal: _Excusal,
+def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Excusal,
                    side: ReferenceSide | None = None) -> dict[str, TensorStats]:
     """The chunk's figures from runs = (reference, candidate, *perturbed), or the candidate and `side`."""
     names = [k.name for k in chunk]

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
-import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from tracer.checksum import algorithm_of, hasher
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
-from tracer.safetensors_views import safetensors_views
+from tracer.safetensors_views import PartTensors, safetensors_views
 
 FORMAT = "ttrace-trace/2"   # /2: the manifest names its checksum ("checksum") and mode ("mode")
 READABLE = ("ttrace-trace/1", FORMAT)   # /1: sha256 per part, full mode
@@ -79,7 +78,7 @@ class RankTrace:
     def entries(self) -> list[dict[str, Any]]:
         return self.manifest["entries"]
 
-    def load_part(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def load_part(self, info: dict[str, Any]) -> PartTensors:
         """One part (an entry of manifest["files"]), checksum-verified, as views into its bytes."""
         fs, base = _fs(self.root)
         path = f"{base}/{self.run}/{rank_dir(self.rank)}/{info['file']}"
