@@ -13,8 +13,9 @@
   perturbed + candidate, in a fresh process: its peak RSS too) vs the raw read throughput of the
   same files from the same store.
 - scaling: compare time for 1x, 4x, 16x trace sizes (model.layers 2, 8, 32).
-- compare.throughput_ratio_to_raw_read (1x, 16x; goals >= 0.3, >= 0.5): before (chunks one by one
-  with torch's own threads) and after (chunks on every core), same run, fresh processes.
+- compare.throughput_ratio_to_raw_read (1x, 16x; goals >= 0.3, >= 0.5): before (the comparison as of
+  commit COMPARE_BASELINE, the last before its compiled kernels, run from that commit's files exported
+  to a temporary directory) and after (this tree), same run, same stores, fresh processes.
 - check_latency.ratio_to_longest_job (goal <= 1.5): the demo check's wall time over its longest job
   on a warm cluster, before (that comparison) and after, same run.
 - end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
@@ -202,9 +203,7 @@ def _spawn(specs: list[dict[str, Any]], legacy: bool = False) -> dict[str, Any]:
     q = ctx.Queue()
     p = ctx.Process(target=_train, args=(specs, q, legacy))
     p.start()
-    res = q.get(timeout=1800)
-    p.join()
-    return res
+    return _result(p, q)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -265,19 +264,23 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _compare(store: str, runs: list[str], q: Any, workers: int | None = None) -> None:
+def _compare(store: str, runs: list[str], q: Any, tree: str | None = None) -> None:
     """Child process: load and compare one store's runs; report times and the process's peak RSS.
-    `workers=1`: the chunks measured one by one with torch's own threads (before issue 16)."""
+    `tree`: compare with the code of that directory (an exported commit) instead of this tree's."""
+    if tree is not None:
+        sys.path.insert(0, tree)
     from orchestrator.recipe import compose
     from tracer.compare import compare
     from tracer.logical import load_logical
     from tracer.tolerance import TolerancePolicy
 
-    if workers is not None:
-        import os
-
-        os.environ["TTRACE_COMPARE_THREADS"] = str(workers)
     policy = TolerancePolicy.from_config(compose([])["tolerance"])
+    try:   # compiled kernels load once per process, in a check while its jobs run (orchestrator/prefetch.py)
+        from tracer.kernels import warm_up
+    except ImportError:   # the baseline tree has none
+        pass
+    else:
+        warm_up()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     ref, *pert = (load_logical(store, r, 1, lazy=True) for r in runs[:-1])   # as a check reads them
@@ -289,14 +292,32 @@ def _compare(store: str, runs: list[str], q: Any, workers: int | None = None) ->
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-def _compare_in_child(store: str, runs: list[str], workers: int | None) -> dict[str, Any]:
+def _compare_in_child(store: str, runs: list[str], tree: str | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")   # a fresh process per run: its peak RSS is the comparison's own
     q = ctx.Queue()
-    p = ctx.Process(target=_compare, args=(store, runs, q, workers))
+    p = ctx.Process(target=_compare, args=(store, runs, q, tree))
     p.start()
-    c = q.get(timeout=1800)
-    p.join()
-    return c
+    return _result(p, q)
+
+
+def _result(p: Any, q: Any, timeout_s: float = 1800) -> Any:
+    """A child process's one result; an error if it ends without one (it raised: its traceback is on
+    stderr) or runs past timeout_s."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            out = q.get(timeout=1.0)
+            p.join()
+            return out
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"bench child process ended with exit code {p.exitcode} and no result") \
+                    from None
+            if time.monotonic() > deadline:
+                p.kill()
+                raise RuntimeError(f"bench child process gave no result within {timeout_s:.0f} s") from None
 
 
 def _raw_read(store: str) -> tuple[int, float]:
@@ -312,12 +333,27 @@ def _raw_read(store: str) -> tuple[int, float]:
 
 COMPARE_GOALS = {"16x": 0.5, "1x": 0.3}   # issue 16: compare throughput / raw read throughput
 ROUNDS = 3
+COMPARE_BASELINE = "f05498d"   # the comparison before its compiled kernels (tracer/kernels/)
+
+
+def _exported(commit: str) -> str:
+    """The code and recipes of `commit`, exported once into a temporary directory."""
+    import subprocess
+
+    path = Path(tempfile.gettempdir()) / f"ttrace-{commit}"
+    if not (path / "tracer").is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "tracer", "orchestrator",
+                                  "workloads", "recipes"], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(path)], input=archive, check=True)
+    return str(path)
 
 
 def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = ROUNDS) -> dict[str, Any]:
-    """Per size: the comparison `before` (workers=1) and `after` (the default: every core), each in
+    """Per size: the comparison `before` (COMPARE_BASELINE's code) and `after` (this tree's), each in
     a fresh process, `rounds` times interleaved, each against the raw read measured just before it;
     the medians (by ratio)."""
+    baseline = _exported(COMPARE_BASELINE)
     out = {}
     for label, layers in scales.items():
         store = str(tmp / f"scale-{label}")
@@ -329,9 +365,9 @@ def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = RO
         _spawn_ranks(_spec(ov, store, "candidate", parallel=CANDIDATE))
         rows: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         for _ in range(rounds):
-            for when, workers in (("before", 1), ("after", None)):
+            for when, tree in (("before", baseline), ("after", None)):
                 nbytes, raw_s = _raw_read(store)
-                c = _compare_in_child(store, runs, workers)
+                c = _compare_in_child(store, runs, tree)
                 gb, cmp_s = nbytes / 1e9, c["compare_total_s"]
                 rows[when].append({
                     "layers": layers, "bytes": nbytes, **c, "raw_read_s": raw_s, "raw_gb_s": gb / raw_s,

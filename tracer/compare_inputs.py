@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -15,6 +16,8 @@ from tracer.logical import LogicalTrace, StoredTensors
 from tracer.measure import TensorKey, prepare
 from tracer.reference_side import ReferenceSide
 from tracer.tolerance import rowcol_shape, unit_roundoff
+
+_NONE = torch.empty(0)
 
 
 class ShapeCheckedReads(Mapping[str, torch.Tensor]):
@@ -42,8 +45,8 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
                                                     f"{tuple(got.tensor.shape)} but the reference has {want}")
             raise TraceError(f"{name}: run '{self.trace.run}' has shape {tuple(got.tensor.shape)}, the "
                              f"reference {want}; the reference set is inconsistent, recompute it")
-        if self.replicas is not None:
-            self.replicas[name] = got
+        if self.replicas is not None:   # its replicas' agreement, not its values: freed once measured
+            self.replicas[name] = replace(got, tensor=_NONE)
         return got.tensor
 
     def span(self, names: Sequence[str]) -> torch.Tensor | None:
@@ -61,7 +64,7 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
     def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
         assert self.replicas is not None
         self.mismatch[name] = why
-        self.replicas[name] = Assembled(tensor=torch.empty(0))
+        self.replicas[name] = Assembled(tensor=_NONE)
         dtype = getattr(torch, str(self.reference.info[name].get("dtype", "float32")), torch.float32)
         return torch.zeros(want, dtype=dtype if dtype.is_floating_point else torch.float32)
 

@@ -56,22 +56,26 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
         # Pass 1: sums, envelopes, maxima.
         pn2[:] = 0.0
         dots[:] = 0.0
-        s_rn2, s_all, amax, emax, count = 0.0, 0.0, 0.0, 0.0, 0.0
+        s_rn2, s_all, amax, emax, count = 0.0, 0.0, 0.0, 0.0, 0.0 if masked else float(n)
         for i in range(nr):
             for j0 in range(0, nc, TILE):
                 m = min(TILE, nc - j0)
                 lo = s0 + U(i * nc + j0)
-                for j in range(U(m)):
-                    rf = np.float64(r[lo + j])
-                    kept = 1.0
-                    if masked:
-                        kept = judged[lo + j]
-                    s_all += rf * rf
-                    rk = rf if kept > 0.0 else 0.0
-                    s_rn2 += rk * rk
-                    count += kept
-                    amax = nanmax(amax, abs(rk))
-                    e[j] = 0.0
+                if masked:
+                    for j in range(U(m)):
+                        rf = np.float64(r[lo + j])
+                        s_all += rf * rf
+                        rk = rf if judged[lo + j] > 0.0 else 0.0
+                        s_rn2 += rk * rk
+                        count += judged[lo + j]
+                        amax = nanmax(amax, abs(rk))
+                else:   # a sum that vectorizes, then the maximum
+                    for j in range(U(m)):
+                        rf = np.float64(r[lo + j])
+                        s_all += rf * rf
+                    for j in range(U(m)):
+                        amax = nanmax(amax, abs(np.float64(r[lo + j])))
+                e[:m] = 0.0
                 for k in range(R):
                     ao = U(k * TILE)
                     s2, dot = deviations(P[k], r, lo, m, judged, False, a, ao)
@@ -93,6 +97,8 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
                 for j in range(U(m)):
                     env[lo + j] = e[j]
                 emax = nanmax(emax, largest(e, m))
+        if not masked:
+            s_rn2 = s_all
         if masked or not math.isfinite(s_all) or not math.isfinite(pn2.sum()):
             ref_nf[t] = count_nonfinite(r, s0, n)
             for k in range(R):
