@@ -21,8 +21,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from tracer.blocks import BLOCK
-
 
 class Slot(NamedTuple):
     """One snapshot in a part (appended as a plain tuple on the hot path, in this field order)."""
@@ -32,7 +30,7 @@ class Slot(NamedTuple):
     shape: torch.Size
     offset: int               # byte offset in the slab
     nbytes: int
-    keep: bool                # written to the part file (False: stats only, tracer/stats.py)
+    keep: bool                # written to the part file (False: its statistics only, tracer/stats.py)
 
 
 class Part:
@@ -147,7 +145,7 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
     size = dtype.itemsize
     nbytes = tensor.numel() * size
     off = -(-part.used // size) * size
-    if off + (nbytes if keep else padded(nbytes, size)) > part.capacity:
+    if off + nbytes > part.capacity:
         return False
     shape = tensor.shape
     if nbytes:
@@ -160,13 +158,5 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
         else:
             copier.copy(part, dst, tensor)
     part.slots.append((row, dtype, shape, off, nbytes, keep))
-    # A summarized slot (stats only) takes whole blocks: the writer reduces a run of them as one
-    # (blocks, BLOCK) view of the slab (tracer.stats.block_stats), padding zeroed there.
-    part.used = off + (nbytes if keep else padded(nbytes, size))
+    part.used = off + nbytes
     return True
-
-
-def padded(nbytes: int, size: int) -> int:
-    """Bytes of a summarized slot: whole blocks of BLOCK elements of `size` bytes."""
-    block = BLOCK * size
-    return -(-nbytes // block) * block

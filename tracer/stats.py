@@ -1,6 +1,6 @@
 """`trace.mode=stats`: per traced tensor, four statistics instead of its values (docs/stats_mode.md).
 
-Recorded per LOCAL tensor (a rank's shard), on the writer thread from the snapshot:
+Recorded per LOCAL tensor (a rank's shard), on the writer thread from the snapshot (`slab_stats`):
   sumsq   sum of squares (float64): the norm is its root
   absmax  largest |x|
   sum     sum of the elements (float64): numel x the mean
@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
-from tracer.blocks import BLOCK
 from tracer.errors import TraceError
 from tracer.layouts import Layout
 
@@ -63,57 +63,55 @@ class Stat:
                     self.hash, self.replica_differ, self.replica_err, self.replica_ranks)
 
 
-def tensor_hash(t: torch.Tensor) -> str:
-    """xxh3_64 of a tensor's bytes in row-major order."""
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return xxhash.xxh3_64(raw.numpy()).hexdigest()
-
-
-def local_stats(tensors: Sequence[torch.Tensor], raw: Sequence[Any] | None = None) -> list[dict[str, Any]]:
-    """Statistics of each tensor, as recorded in a stats-mode manifest entry. Tensors of one dtype
-    are reduced together (`block_stats`: a few dense reductions, not four per tensor). `raw`: each
-    tensor's bytes (buffer objects) to hash, when the caller has them."""
+def local_stats(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    """Statistics of each tensor, as recorded in a stats-mode manifest entry: the tensors of one dtype
+    laid back to back and summarized in one call (`slab_stats`)."""
     out: list[dict[str, Any]] = [{} for _ in tensors]
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     for dtype, idx in groups.items():
-        lens = [tensors[i].numel() for i in idx]
-        pad = torch.zeros(BLOCK, dtype=dtype)
-        pieces: list[torch.Tensor] = []
-        for i, n in zip(idx, lens, strict=True):
-            pieces.append(tensors[i].reshape(-1))
-            if n % BLOCK:
-                pieces.append(pad[:BLOCK - n % BLOCK])
-        rows = torch.cat(pieces).view(-1, BLOCK)
-        hashes = [tensor_hash(tensors[i]) if raw is None else xxhash.xxh3_64(raw[i]).hexdigest() for i in idx]
-        for i, st in zip(idx, block_stats(rows, lens, hashes), strict=True):
+        flats = [tensors[i].detach().reshape(-1).cpu() for i in idx]
+        slab = torch.cat(flats).view(torch.uint8)
+        slots, at = [], 0
+        for f in flats:
+            slots.append((at, f.numel() * dtype.itemsize))
+            at += slots[-1][1]
+        for i, st in zip(idx, slab_stats(slab, slots, dtype), strict=True):
             out[i] = st
     return out
 
 
-def block_stats(rows: torch.Tensor, lens: Sequence[int], hashes: Sequence[str]) -> list[dict[str, Any]]:
-    """The statistics of tensors laid out back to back in `rows` (blocks, BLOCK) of one dtype, each
-    zero-padded to whole blocks (zeros are neutral for all three reductions); `lens`: their element
-    counts. Each block is reduced in the tensor's precision, float32 at least (dense reductions along
-    a row are 5-15x faster than float64 ones), and the blocks are accumulated in float64: a block of
-    BLOCK elements carries an error of a few unit roundoffs, far below stats_compare's floor of
-    tolerance.floor_ulps (16) of them. A block whose float32 reduction overflows is redone in
-    float64, so a statistic is non-finite only if the tensor is."""
-    wide = torch.float32 if rows.dtype.is_floating_point and rows.dtype.itemsize <= 4 else torch.float64
-    rows = rows.to(wide)
-    nblocks = torch.tensor([-(-n // BLOCK) for n in lens], dtype=torch.int64)
-    norm, total = torch.linalg.vector_norm(rows, dim=1), rows.sum(1)
-    if wide != torch.float64 and not (norm.isfinite().all() and total.isfinite().all()):
-        rows = rows.double()   # an overflow (or an inf/nan in the data: then it stays)
-        norm, total = torch.linalg.vector_norm(rows, dim=1), rows.sum(1)
-    absmax = torch.maximum(rows.amax(1), rows.amin(1).neg())   # amax and amin: each 25x faster than aminmax
-    sumsq = torch.segment_reduce(norm.double().square(), "sum", lengths=nblocks).tolist()
-    sums = torch.segment_reduce(total.double(), "sum", lengths=nblocks).tolist()
-    maxes = torch.segment_reduce(absmax.double(), "max", lengths=nblocks, initial=0).tolist()
-    return [{"sumsq": a, "absmax": m, "sum": b, "numel": n, "hash": h}
-            for a, m, b, n, h in zip(sumsq, maxes, sums, lens, hashes, strict=True)]
+def slab_stats(slab: torch.Tensor, slots: Sequence[tuple[int, int]],
+               dtype: torch.dtype) -> list[dict[str, Any]]:
+    """The statistics of tensors of `dtype` lying in a byte buffer (a snapshot's slab, tracer/writer.py)
+    at (byte offset, bytes) each, aligned to the element size: sum of squares and sum accumulated in
+    float64, the largest |x|, and xxh3_64 of the bytes. One compiled pass per tensor, all tensors in
+    one call (tracer/kernels/moments.py); float32 and float64 are read where they lie, other float
+    dtypes widened to float32 (bf16, fp16 and fp8 values are exact there). Non-finite values make
+    the statistics non-finite."""
+    from tracer.kernels.moments import moments  # numba: imported by stats mode and scans only
+
+    size = dtype.itemsize
+    lo = min((off for off, _ in slots), default=0)
+    hi = max((off + n for off, n in slots), default=0)
+    typed = slab[lo:hi].view(dtype) if hi > lo else torch.zeros(0, dtype=dtype)
+    x = typed.numpy() if dtype in _NUMPY_FLOATS else typed.to(torch.float32).numpy()
+    uint, sign_off = _BITS[x.dtype]
+    starts = np.array([(off - lo) // size for off, _ in slots], dtype=np.int64)
+    lens = np.array([n // size for _, n in slots], dtype=np.int64)
+    top = np.zeros(len(slots), dtype=uint)
+    sumsq, sums = moments(x, x.view(uint), sign_off, starts, lens, top)
+    absmax = top.view(x.dtype).astype(np.float64)
+    raw = slab.numpy()
+    return [{"sumsq": a, "absmax": m, "sum": b, "numel": n // size,
+             "hash": xxhash.xxh3_64_hexdigest(raw[off:off + n])}
+            for a, b, m, (off, n) in zip(sumsq.tolist(), sums.tolist(), absmax.tolist(), slots, strict=True)]
+
+
+_NUMPY_FLOATS = (torch.float32, torch.float64)
+_BITS = {np.dtype(np.float32): (np.uint32, np.uint32(0x7FFFFFFF)),
+         np.dtype(np.float64): (np.uint64, np.uint64(0x7FFFFFFFFFFFFFFF))}
 
 
 def of_tensor(t: torch.Tensor) -> Stat:

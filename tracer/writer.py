@@ -25,13 +25,11 @@ import threading
 from typing import Any
 
 import torch
-import xxhash
 
-from tracer.blocks import BLOCK
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
-from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, padded, snapshot, wait_for_copies
-from tracer.stats import MODES, PARTIAL_IN_FULL, block_stats
+from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
+from tracer.stats import MODES, PARTIAL_IN_FULL, slab_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 # A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
@@ -84,9 +82,7 @@ class TraceWriter:
             if part is not None:
                 self.flush()
             pinned = tensor.is_cuda and self._copier is not None
-            nbytes = tensor.numel() * tensor.element_size()
-            nbytes = nbytes if keep else padded(nbytes, tensor.element_size())
-            part = self._part = Part(self._pool.take(nbytes, pinned))
+            part = self._part = Part(self._pool.take(tensor.numel() * tensor.element_size(), pinned))
             snapshot(part, row, tensor, self._copier, keep)
         self._rows.append((fields, tensor.shape, tensor.dtype, _NAMES[self._parts] if keep else None))
 
@@ -153,33 +149,15 @@ class TraceWriter:
                 self._pool.give(part.slab)
 
     def _record_stats(self, part: Part) -> None:
-        """Stats mode: the summarized slots' statistics, a few dense reductions per dtype over
-        (blocks, BLOCK) views of the slab (snapshot lays them out in whole blocks; one view per run
-        of back-to-back slots of one dtype), and their bytes hashed in place."""
-        summarized = [Slot._make(s) for s in part.slots if not s[5]]
-        if not summarized:
-            return
-        raw = part.slab.numpy()
-        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[Slot]]] = {}
-        start = end = -1
-        for i, s in enumerate(summarized):
-            size = s.dtype.itemsize
-            stop = s.offset + padded(s.nbytes, size)
-            raw[s.offset + s.nbytes:stop] = 0   # the padding (the slab is reused)
-            if start < 0:
-                start = s.offset
-            end = stop
-            nxt = summarized[i + 1] if i + 1 < len(summarized) else None
-            views, slots = groups.setdefault(s.dtype, ([], []))
-            slots.append(s)
-            if nxt is None or nxt.dtype != s.dtype or nxt.offset != stop:
-                views.append(part.slab[start:end].view(s.dtype).view(-1, BLOCK))
-                start = -1
-        for views, slots in groups.values():
-            rows = views[0] if len(views) == 1 else torch.cat(views)
-            hashes = [xxhash.xxh3_64(raw[s.offset:s.offset + s.nbytes]).hexdigest() for s in slots]
-            lens = [s.nbytes // s.dtype.itemsize for s in slots]
-            for slot, st in zip(slots, block_stats(rows, lens, hashes), strict=True):
+        """Stats mode: the summarized slots' statistics, one compiled pass over the slab per dtype
+        (tracer.stats.slab_stats)."""
+        groups: dict[torch.dtype, list[Slot]] = {}
+        for s in part.slots:
+            if not s[5]:
+                groups.setdefault(s[1], []).append(Slot._make(s))
+        for dtype, slots in groups.items():
+            found = slab_stats(part.slab, [(s.offset, s.nbytes) for s in slots], dtype)
+            for slot, st in zip(slots, found, strict=True):
                 self._stats[slot.row] = st
 
     def _write(self, name: str, part: Part, slots: list[Slot]) -> None:

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tracer.blocks import BLOCK
 from tracer.errors import TraceError
+from tracer.kernels.loops import TILE as BLOCK  # a tile boundary of the compiled kernels
 from tracer.measure import TensorKey, measure, prepare
 from tracer.tolerance import (
     cosine,

@@ -17,8 +17,8 @@ maximum kept inline (`if q > worst`) mispredicts on random data and does not vec
 per element instead of 2). Sums may be reordered (`reassoc`, vectorized): their value moves by a
 rounding of float64.
 
-A chunk holds its tensors back to back (tracer/blocks.py: tensor t at `starts[t]`, `lens[t]`
-elements; padding is never read). The functions release the GIL: chunks are measured on several
+A chunk holds its tensors back to back (tracer/chunk.py: tensor t at `starts[t]`, `lens[t]`
+elements). The functions release the GIL: chunks are measured on several
 threads (tracer/chunk_pool.py). Compiled once per machine and cached beside these files (numba's
 cache); `warm_up` loads them in a fresh process (~0.5 s) before a comparison needs them.
 """

@@ -17,7 +17,7 @@ U = np.uint64
 
 @numba.njit(**INLINE)
 def ratio(num, den):
-    """num / den per the definitions: 0/x = 0, x/0 = inf (tracer.blocks.ratio)."""
+    """num / den per the definitions: 0/x = 0, x/0 = inf (tracer.tolerance.rel_err)."""
     if num == 0.0:
         return 0.0
     if den > 0.0:
