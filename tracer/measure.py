@@ -3,7 +3,7 @@
 A trace holds thousands of mostly small tensors: judged one at a time, each costs ~100 torch
 dispatches whatever its size, and the comparison ran at ~0.1 GB/s. Here consecutive tensors (in the
 reference's execution order) are concatenated into flat chunks of about `chunk_elems` elements
-(tracer/chunk.py), and compiled kernels (tracer/kernels.py) compute every tensor's figures in two
+(tracer/chunk.py), and compiled kernels (tracer/kernels/) compute every tensor's figures in two
 passes over a chunk. Chunks stay cache-sized, and their temporaries come from the heap
 (tracer/heap.py).
 
@@ -38,6 +38,7 @@ from tracer.heap import heap_keeps_chunks
 from tracer.reference_side import ReferenceSide, reference_side
 
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
+Run = Mapping[str, torch.Tensor] | torch.Tensor   # a run's tensors of a chunk, or the chunk already flat
 
 
 @dataclass
@@ -124,8 +125,9 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
             excused_masks: dict[str, torch.Tensor] | None = None,
             workers: int | None = None, prepared: Mapping[str, ReferenceSide] | None = None
             ) -> dict[str, TensorStats]:
-    """Figures of every key (in execution order). Each run's tensor is looked up once, chunk by
-    chunk in that order, and must have key.numel elements (the caller checks shapes).
+    """Figures of every key (in execution order). Each run's tensors are read once, chunk by chunk in
+    that order (looked up one by one, or a stored single-rank run's chunk as one view of its part),
+    and must have key.numel elements (the caller checks shapes).
     `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
     `prepared`: `prepare`'s reference sides (same keys and runs): a chunk found there reads only the
     candidate. Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py)."""
@@ -172,9 +174,6 @@ def prepare(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     return out
 
 
-Run = Mapping[str, torch.Tensor] | torch.Tensor   # a run's tensors of a chunk, or the chunk already flat
-
-
 def _span(run: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor | None:
     """The chunk of a stored run as one view, where it lies back to back (compare_inputs.span)."""
     span = getattr(run, "span", None)
@@ -183,9 +182,9 @@ def _span(run: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor
 
 def _dtype(names: Sequence[str], runs: Sequence[Run]) -> torch.dtype:
     """The chunk's working dtype: float64 if any run holds a float64 tensor in it, else float32."""
-    wide = any((run.dtype if isinstance(run, torch.Tensor) else run[n].dtype) == torch.float64
-               for run in runs for n in names)
-    return torch.float64 if wide else torch.float32
+    wide = lambda run: (run.dtype == torch.float64 if isinstance(run, torch.Tensor)
+                        else any(run[n].dtype == torch.float64 for n in names))
+    return torch.float64 if any(map(wide, runs)) else torch.float32
 
 
 def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Excusal,
