@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: pip takes the local CPU wheel instead of a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,megatron,hf]'
+	# The comparison's compiled kernels (numba), compiled once here into tracer/kernels/__pycache__.
+	$(BIN)/python -c "from tracer import kernels; kernels.warm_up()"
 	touch $(STAMP)
 
 demo: setup
