@@ -187,6 +187,7 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
             "name": res.name, "kind": res.kind, "dtype": e["dtype"], "rel_err": res.rel_err,
             "noise": res.noise, "elem_err": res.elem_err, "elem_noise": res.elem_noise,
             "scale_err": res.scale_err, "scale_tolerance": res.scale_tolerance,
+            "band_room": _band_room(res.scale_err, res.scale_band),
             "excused_fraction": res.excused_fraction,
             "replica_err": res.replica_err, "ttrace_ok": res.ok, "reason": res.reason,
             "tolerance": res.tolerance, "elem_tolerance": res.elem_tolerance,
@@ -197,6 +198,18 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
             "assert_close_fail": assert_close_fails(c, r, e["dtype"]),
         })
     return out
+
+
+def _band_room(err: float, band: tuple[float, float]) -> float:
+    """How many times the projection's excursion beyond [min(0, mean), max(0, mean)] fits in the scale
+    band's widening (tracer.tolerance.scale_band: band = that range widened by w on both sides, so
+    mean = lo + hi and w = min(hi, -lo)); nan where the band does not judge, inf with no excursion."""
+    lo, hi = band
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return math.nan
+    mean, width = lo + hi, min(hi, -lo)
+    beyond = max(min(0.0, mean) - err, err - max(0.0, mean), 0.0)
+    return width / beyond if beyond > 0 else math.inf
 
 
 def ratio_summary(vals: list[float]) -> dict[str, float]:
@@ -249,11 +262,15 @@ def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: st
     u = unit_roundoff(dtype)
     noise = [rel_err(p, r) for p in ps]
     re = rel_err(c, r)
+    along = [projection(p, r) for p in ps]
+    low, high = policy.scale_band(statistics.mean(along), max(along) - min(along), max(noise), dtype, kind,
+                                  r.shape, draws)
     view, rc, rc_noise = rowcol_shape(r.shape, kind), rowcol_err(c, r, ps, u), max(rowcol_noise(ps, r, u))
     own_noise = max(own_err(p.double() - r.double(), r, u) for p in ps)
     own_tol, joint_tol = policy.own_tolerances(own_noise, rc_noise, view, draws)
     verdict = (re > policy.tolerance(noise, dtype)
                or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind, r.shape)
+               or not low <= projection(c, r) <= high
                or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
                or rc > policy.rowcol_tolerance([rc_noise], view)
                or (own_err(c.double() - r.double(), r, u) > own_tol and rc > joint_tol))
@@ -404,22 +421,27 @@ def main() -> int:
                     "assert_close_fp": sum(s["assert_close_fail"] for s in stats)})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
             studies += corruption(ref, pert, cands["tp2"], prec, policy)
-            # the method before the joint rule (2026-11-25), and before the row-column metric
-            # (2026-11-24), on the same traces
-            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_own=0.0),
+            # the method before the scale band (2026-11-26), before the joint rule (2026-11-25), and
+            # before the row-column metric (2026-11-24), on the same traces
+            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_band=0.0),
+                                  method="no scale band (before)")
+            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_band=0.0, k_own=0.0),
                                   method="no joint rule (before)")
-            studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_rowcol=0.0, k_own=0.0),
+            studies += corruption(ref, pert, cands["tp2"], prec,
+                                  replace(policy, k_band=0.0, k_rowcol=0.0, k_own=0.0),
                                   method="no row-column (before)")
             if prec != "fp32":   # the previous method: weight perturbation, scale not judged
                 _, wpert, _ = load_combo(url, R, (), perturbed="perturbed-weights")
-                studies += corruption(ref, wpert, cands["tp2"], prec, replace(policy, k_scale=0.0, k_own=0.0),
+                studies += corruption(ref, wpert, cands["tp2"], prec,
+                                      replace(policy, k_scale=0.0, k_own=0.0, k_band=0.0),
                                       method="weights, no scale (before)")
 
     matrix_fams = sorted({x["family"] for x in rows["matrix"]}, key=list(FAMILIES).index)
     result = {
         "policy": {"k": policy.k, "floor_ulps": policy.floor_ulps, "k_elem": policy.k_elem,
                    "floor_elem": policy.floor_elem, "k_scale": policy.k_scale, "k_rowcol": policy.k_rowcol,
-                   "k_own": policy.k_own, "k_joint": policy.k_joint, "R": R},
+                   "k_own": policy.k_own, "k_joint": policy.k_joint, "k_band": policy.k_band,
+                   "band_floor": policy.band_floor, "R": R},
         "megatron_fixed_bound": {p: megatron_bound(p) for p in precs},
         "seconds_runs": t_runs,
         "calibration": {"seeds": calib, "ratios": calibrate(rows["calib"])},
@@ -470,6 +492,8 @@ def headroom(rows: list[dict], precs: tuple[str, ...]) -> dict[str, Any]:
             "rowcol_tol_over_err": ratio_summary([x["rowcol_tolerance"] / x["rowcol_err"] for x in pr
                                                   if x["kind"] == k and x.get("rowcol_err")
                                                   and math.isfinite(x["rowcol_tolerance"])]),
+            "band_room": ratio_summary([x["band_room"] for x in pr if x["kind"] == k
+                                        and not math.isnan(x.get("band_room", math.nan))]),
             # the joint rule fails past both bounds: its head-room is the larger of the two
             "joint_tol_over_err": ratio_summary([
                 max(x["own_tolerance"] / x["own_err"], x["joint_tolerance"] / x["rowcol_err"]) for x in pr
@@ -509,7 +533,7 @@ def print_tables(res: dict) -> None:
           f"{cm['false_positives']}; checks Megatron's fixed bound flags: "
           f"{cm['megatron_fixed_checks_flagged']}; assert_close flags: {cm['assert_close_checks_flagged']}")
     print(f"  {'family':15s} {'checks':>6s} {'FP':>4s}  smallest head-room (tolerance / honest error) "
-          "norm-wise, elementwise, scale, row-column, joint")
+          "norm-wise, elementwise, scale, row-column, joint, scale band")
     by_fam = res["tolerance_over_clean_error_by_family"]
     rows = [(f, c, by_fam.get(f, {})) for f, c in cm["by_family"].items()]
     for fam, c, hr in rows + [("8-rank recipes", cm["eight_rank"], None),
@@ -517,7 +541,7 @@ def print_tables(res: dict) -> None:
         room = ""
         if hr is not None:
             metrics = ("norm_tol_over_err", "elem_tol_over_err", "scale_tol_over_err", "rowcol_tol_over_err",
-                       "joint_tol_over_err")
+                       "joint_tol_over_err", "band_room")
             room = "  ".join(f"{p} " + "/".join(_fmt_min(hr[p], m) for m in metrics) for p in hr)
         print(f"  {fam:15s} {c['checks']:6d} {c['false_positives']:4d}  {room}")
     for v in cm["verdicts"]:

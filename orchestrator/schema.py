@@ -157,6 +157,8 @@ class Tolerance:
     k_rowcol: float = 4.0            # elementwise under the row-column noise model (0: off)
     k_own: float = 1.5               # one element, GEMM rounding draws: own_err past k_own x its noise
     k_joint: float = 2.0             #   and rowcol_err past k_joint x its noise (k_own 0: off)
+    k_band: float = 8.0              # scale band, GEMM rounding draws: k_band x the runs' projections'
+    band_floor: float = 0.1          #   spread, at least band_floor x the norm-wise noise (0: off)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
     routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)

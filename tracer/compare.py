@@ -183,8 +183,9 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, ...]] = {}
     for name in reference.order:
-        st, f = stats[name], pooled.get(family(name), (0.0,) * 4)
-        pooled[family(name)] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise)))
+        st, f = stats[name], pooled.get(family(name), (0.0,) * 5)
+        pooled[family(name)] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise,
+                                                  st.scale_spread)))
     draws = rounding_draws(perturbed)
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
@@ -206,7 +207,7 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     for index, (name, key) in enumerate(zip(reference.order, keys, strict=True)):
         e, st, got = reference.info[name], stats[name], replicas[name]
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise, rc_noise, own_noise = pooled[family(name)]
+        noise, e_noise, rc_noise, own_noise, spread = pooled[family(name)]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -223,6 +224,8 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
             own_err=_finite(st.own_err), own_noise=st.own_noise,
             scale_err=_finite(st.scale_err),
             scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], reference.shape(name)),
+            scale_band=policy.scale_band(st.scale_mean, spread, noise, e["dtype"], e["kind"],
+                                         reference.shape(name), draws),
             excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
             excused_dev=_finite(st.excused_dev),
             excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),
@@ -242,6 +245,11 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
             res.ok, res.reason = False, (f"scale: the candidate is {1 + res.scale_err:.5g} x the reference "
                                          f"along its direction (tolerance +-{res.scale_tolerance:.3g}; "
                                          f"rel_err {res.rel_err:.3g})")
+        elif not res.scale_band[0] <= res.scale_err <= res.scale_band[1]:
+            res.ok, res.reason = False, (f"scale: the candidate is {1 + res.scale_err:.5g} x the reference "
+                                         f"along its direction, outside the range the perturbed runs span "
+                                         f"there [{1 + res.scale_band[0]:.5g}, {1 + res.scale_band[1]:.5g}] "
+                                         f"(rel_err {res.rel_err:.3g})")
         elif res.elem_err > res.elem_tolerance:
             res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
                                          f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")

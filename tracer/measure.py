@@ -59,6 +59,8 @@ class TensorStats:
     moved: int = 0        # bit r set: perturbed run r differs from the reference in this tensor
     scale_err: float = 0.0     # <c - r, r> / ||r||^2 (tracer.tolerance.projection), judged elements
     scale_noise: float = 0.0   # max_r |<p_r - r, r>| / ||r||^2
+    scale_mean: float = 0.0    # mean_r <p_r - r, r> / ||r||^2
+    scale_spread: float = 0.0  # max_r minus min_r of <p_r - r, r> / ||r||^2
     # Excused elements are still bounded (tracer.compare judges these):
     excused_dev: float = 0.0   # largest |c_i - r_i| among the excused elements
     env_max: float = 0.0       # largest |p_r,i - r_i| of any perturbed run, any element (params)
@@ -281,6 +283,8 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
                                 excused_dev=excused_dev[i], env_max=env_max[i], beyond=beyond[i],
                                 beyond_noise=beyond_noise[i], updates=updates[i], absmax=absmax[i],
                                 scale_err=float(scale_err[i]), scale_noise=float(side.scale_noise[i]),
+                                scale_mean=float(side.scale_mean[i]),
+                                scale_spread=float(side.scale_spread[i]),
                                 rowcol_err=float(rc_err[i]), rowcol_noise=float(rc.noise[i]),
                                 own_err=float(own_err[i]), own_noise=float(rc.own_noise[i]))
             for i, k in enumerate(chunk)}

@@ -62,7 +62,9 @@ class ReferenceSide:
     noise: np.ndarray         # max_r rel_err(p_r, r)
     max_noise: np.ndarray
     elem_noise: np.ndarray
-    scale_noise: np.ndarray
+    scale_noise: np.ndarray   # max_r |<p_r - r, r>| / ||r||^2
+    scale_mean: np.ndarray    # mean_r <p_r - r, r> / ||r||^2
+    scale_spread: np.ndarray  # their largest minus their smallest
     ref_nonfinite: np.ndarray
     pert_nonfinite: np.ndarray
     moved: list[int]          # per tensor: bit r set where perturbed run r differs from the reference
@@ -86,11 +88,12 @@ def reference_side(names: Sequence[str], units: Sequence[float], shapes: Sequenc
     env = env_full if judged is None else torch.empty_like(r)
     mask = _ALL if judged is None else judged.numpy().astype(np.float64)
     units_a = np.asarray(units, dtype=np.float64)
-    (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf, moved,
-     rc_rms, rc_noise, own_noise) = kernels.reference_side(
+    (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
+     ref_nf, pert_nf, moved, rc_rms, rc_noise, own_noise) = kernels.reference_side(
         r.numpy(), ps.numpy(), mask, layout.starts, layout.lengths, units_a, rows, cols, a_off, c_off,
         env.numpy(), env_full.numpy(), a_all, cf_all)
     return ReferenceSide(tuple(names), runs, dtype, layout, r, env_full, env, mask, rn2, rn_eff, r_absmax,
-                         rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf,
+                         rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
+                         ref_nf, pert_nf,
                          moved.tolist(), units_a,
                          RowCol(rows, cols, a_off, c_off, a_all, cf_all, rc_rms, rc_noise, own_noise))

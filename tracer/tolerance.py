@@ -1,37 +1,33 @@
 """Per-tensor tolerance from perturbed reference runs (TTrace's method); see docs/tolerance.md.
 
-R reference runs start from weights moved one ulp each (random sign). How far each traced tensor
-of a perturbed run lands from the unperturbed reference is the numerical noise the computation
-itself amplifies up to that point; an honest parallel layout reorders the same floating-point
-operations and lands within a small multiple of it. Two metrics, each with its own tolerance:
+R perturbed reference runs start from weights moved one ulp each (random sign), or in bf16/fp8
+redraw every GEMM result's rounding. How far each traced tensor of a perturbed run lands from the
+reference is the noise the computation itself amplifies up to that point; an honest parallel
+layout lands within a small multiple of it. The metrics, each with its own tolerance:
 
 norm-wise    rel_err = ||c - r|| / ||r||;  tol = max(k * max_r rel_err(p_r, r), floor_ulps * u)
 elementwise  elem_err = max_i |c_i - r_i| / s_i, with the per-element noise scale
              s_i = max_r |p_r,i - r_i| + (nu + u) * (|r_i| + rms(r)),  nu = max_r rel_err(p_r, r)
-             (the per-element envelope, plus the tensor's pooled relative noise and one unit
-             roundoff, scaled by the element's magnitude; rms(r) keeps elements near 0 finite)
-             tol = max(k_elem * max_r elem_err_loo(p_r), floor_elem), where elem_err_loo scores
-             perturbed run r against the envelope of the OTHER runs (leave-one-out): a fresh noise
-             draw against an envelope it did not help build, i.e. the same extreme-value statistic
-             (a max over the tensor's elements) the candidate is judged by.
+             (the envelope + pooled relative noise and a unit roundoff at the element's magnitude)
+             tol = max(k_elem * max_r elem_err_loo(p_r), floor_elem), elem_err_loo: run r against
+             the envelope of the OTHER runs (leave-one-out), the statistic the candidate meets.
 scale        scale_err = <c - r, r> / ||r||^2, the error's component along the reference;
              tol = max(k_scale * max_r rel_err(p_r, r), u)   (outputs and grads)
              A uniform scale error (1 + d) shows in full (scale_err = d = rel_err), honest rounding
-             noise nearly orthogonal to r hardly at all (|scale_err| <= rel_err by Cauchy-Schwarz;
-             measured on clean checks: at most 0.78 of the norm-wise noise, median ~0.02), so this
-             metric holds the error along r to a tighter multiple of the same noise.
+             noise nearly orthogonal to r hardly at all (clean checks: at most 0.78 of the noise).
+scale band   under GEMM rounding draws (bf16, fp8) scale_err must also lie between 0 (an exact
+             candidate) and the perturbed runs' mean projection m (a noisy candidate shares their
+             bias, its own noise projected on itself), widened by max(k_band * their spread,
+             band_floor * max_r rel_err(p_r, r), u): the projection's own spread is tenfold smaller
+             than the norm-wise noise there (docs/tolerance.md "The scale band").
 row-column   rowcol_err = max_i |c_i - r_i| / w_i, for a tensor of >= 8 rows and >= 8 columns (its
              last dim; rows are the rest): the per-element noise variance modelled as separable,
              v_ij = a_i b_j / m (a_i, b_j: row and column means of the perturbed runs' mean squared
              deviation, m: its overall mean), w = sqrt(v) + u (|r| + rms(r));
              tol = max(k_rowcol * max_r rowcol_err_loo(p_r), floor_elem), the leave-one-out draw
-             scored against the variance of the other runs. Rounding noise is not the same size
-             everywhere: a token's activations or a weight row's grads carry its own scale, and that
-             structure is what a row and a column factor capture (a per-element envelope of R = 3
-             draws is itself noise, and the pooled `nu * |r_i|` term above is what limits one
-             corrupted element to ~15 nu). With it an element is judged in units of its own row's
-             and column's noise: one element of median size moved 25-35% stands out in BF16 (the
-             envelope metric: 50-70%); docs/tolerance.md "Single elements".
+             scored against the variance of the other runs. A token's activations or a weight
+             row's grads carry their own noise scale, which a row and a column factor capture
+             (docs/tolerance.md "Single elements").
 own noise   own_err = max_i |c_i - r_i| / w_i with v_ij = a_i b_j / m fitted to c - r itself, the
              element's own square left out of its row's, column's and the total sums (self-
              normalized: a layout whose noise differs in size from the perturbed runs' but not in
@@ -232,6 +228,10 @@ class TolerancePolicy:
     # and 27 (honest maxima on one view fall below 1 on the other); 0 turns it off.
     k_own: float = 1.5
     k_joint: float = 2.0
+    # Scale band (module doc) under GEMM rounding draws: k_band x the projections' spread, at least
+    # band_floor x the norm-wise noise (docs/tolerance.md "The scale band"); k_band = 0 turns it off.
+    k_band: float = 8.0
+    band_floor: float = 0.1
     # Replicas (the same logical tensor on several ranks): "exact" (the default) requires bitwise
     # agreement, as the same kernels on the same inputs give; "tolerance" judges their distance
     # against the norm-wise tolerance, for recipes with nondeterministic kernels.
@@ -240,7 +240,7 @@ class TolerancePolicy:
     @classmethod
     def from_config(cls, tol: Mapping[str, Any]) -> TolerancePolicy:
         """From a recipe's `tolerance` section (keys k, floor_ulps, k_elem, floor_elem, k_scale, k_rowcol,
-        k_own, k_joint, depth_c, replicas)."""
+        k_own, k_joint, k_band, band_floor, depth_c, replicas)."""
         kinds = {f.name: f.type for f in fields(cls)}
         kw = {k: (str(v) if kinds[k] == "str" else float(v)) for k, v in tol.items() if k in kinds}
         if kw.get("replicas", "exact") not in ("exact", "tolerance"):
@@ -253,25 +253,29 @@ class TolerancePolicy:
 
     def scale_tolerance(self, noise: Sequence[float], dtype: str, kind: str,
                         shape: Sequence[int]) -> float:
-        """On |projection|: k_scale x the perturbed runs' largest norm-wise error, at least one unit
-        roundoff of the dtype (not the norm-wise floor: 16 BF16 ulps are 6.25%, and where no
-        perturbed run moved an output or grad, no honest layout did either; measured).
-        inf (not judged) with k_scale = 0, for `param` (Adam's update does not scale with its
-        grad: a grad's scale error is judged at the grad), `loss` (a scalar: its norm-wise error
-        is its projection), and tensors of one dimension: a norm's weight or a bias has a grad
-        summed over every token, and from trained weights (coherent contributions) the honest
-        error of a TP layout lies along it: 73-100% of rel_err, up to 0.97 x in bf16, on
-        LayerNorm grads of 10 clean tp2 checks from trained checkpoints (docs/tolerance.md)."""
+        """On |projection|: k_scale x the norm-wise noise, at least one unit roundoff (not the
+        norm-wise floor: 16 BF16 ulps are 6.25%). inf (not judged) with k_scale = 0, for `param`
+        (Adam's update ignores its grad's scale: judged at the grad), `loss` (its norm-wise error is
+        its projection) and tensors of one dimension (from trained weights a TP layout's honest
+        error on a norm's or bias's grad lies along it; docs/tolerance.md "Scale errors")."""
         if self.k_scale <= 0 or kind in ("param", "loss") or len(shape) < 2:
             return math.inf
         return max(self.k_scale * max(noise, default=0.0), unit_roundoff(dtype))
 
+    def scale_band(self, mean: float, spread: float, noise: float, dtype: str, kind: str,
+                   shape: Sequence[int], draws: bool) -> tuple[float, float]:
+        """The range scale_err may take (module doc, "scale band"); unbounded where the scale is not
+        judged (scale_tolerance) or the perturbed runs are not GEMM rounding draws (`draws`)."""
+        if (self.k_band <= 0 or not draws
+                or math.isinf(self.scale_tolerance([noise], dtype, kind, shape))):
+            return -math.inf, math.inf
+        width = max(self.k_band * spread, self.band_floor * noise, unit_roundoff(dtype))
+        return min(0.0, mean) - width, max(0.0, mean) + width
+
     def elem_tolerance(self, noise: Sequence[float], numel: int | None = None) -> float:
-        """On elem_err; inf (not judged) for a tensor of one element (a microbatch's loss): its one
-        element is its norm, judged norm-wise against the noise of every microbatch of the step,
-        where the elementwise scale is this microbatch's envelope alone (it read an honest bf16 MoE
-        loss at step 1 as 4.42 noise scales, 1.2e-4 relative; that of another microbatch moved 6e-5
-        in the perturbed runs). The elementwise metric is for the few wrong elements a norm averages."""
+        """On elem_err; inf (not judged) for a tensor of one element (a microbatch's loss): judged
+        norm-wise against every microbatch's noise, where this microbatch's envelope alone read an
+        honest bf16 MoE loss as 4.42 noise scales. The metric is for the few elements a norm averages."""
         if numel == 1:
             return math.inf
         return max(self.k_elem * max(noise, default=0.0), self.floor_elem)
@@ -284,10 +288,9 @@ class TolerancePolicy:
 
     def own_tolerances(self, own_noise: float, rowcol_noise: float, view: tuple[int, int] | None,
                        draws: bool) -> tuple[float, float]:
-        """(on own_err, on rowcol_err): an element past both fails. inf (not judged) unless the
-        perturbed runs are GEMM rounding draws (`draws`: the rule's calibration holds for them only;
-        under the weights perturbation honest fp32 extremes reached 2.7x on both views at once), for
-        a tensor without a row-column view, or k_own = 0."""
+        """(on own_err, on rowcol_err): an element past both fails. inf (not judged) without GEMM
+        rounding draws (`draws`: under the weights perturbation honest fp32 extremes reached 2.7x on
+        both views at once), for a tensor without a row-column view, or k_own = 0."""
         if self.k_own <= 0 or view is None or not draws:
             return math.inf, math.inf
         return max(self.k_own * own_noise, self.floor_elem), self.k_joint * rowcol_noise

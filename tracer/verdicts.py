@@ -41,6 +41,7 @@ class TensorResult:
     joint_tolerance: float = math.inf  #   that bound on rowcol_err (inf: not judged this way)
     scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
     scale_tolerance: float = math.inf  # on |scale_err|
+    scale_band: tuple[float, float] = (-math.inf, math.inf)   # the range scale_err may take (GEMM draws)
     excused: int = 0             # param elements left out of rel_err/elem_err (Adam excusal), judged by:
     excused_fraction: float = 0.0
     excused_dev: float = 0.0     #   their largest |c - r|, against excused_bound

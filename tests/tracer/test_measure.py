@@ -78,9 +78,12 @@ def _oracle(keys, ref, cand, perts):
         else:
             norm = reference_norm(r, ps)
         nu = max((rel_err(p, r, norm) for p in ps), default=0.0)
+        along = [projection(p, r) for p in ps]
         out[k.name] = extra | {
             "scale_err": projection(c, r),
             "scale_noise": max((abs(projection(p, r)) for p in ps), default=0.0),
+            "scale_mean": sum(along) / len(along) if along else 0.0,
+            "scale_spread": max(along) - min(along) if along else 0.0,
             "rel_err": rel_err(c, r, norm), "max_err": max_err(c, r), "cosine": cosine(c, r),
             "nonfinite": int((~torch.isfinite(full_c)).sum()), "noise": nu,
             "elem_noise": max(elem_noise(ps, r, k.unit), default=0.0),

@@ -160,3 +160,25 @@ def test_the_joint_single_element_rule_is_judged_under_gemm_rounding_draws_only(
     assert TolerancePolicy(k_own=0).own_tolerances(3.0, 2.0, (64, 64), True) == (math.inf, math.inf)
     configured = TolerancePolicy.from_config({"k_own": 2, "k_joint": 3})
     assert configured.own_tolerances(3.0, 2.0, (8, 8), True) == (6, 6)
+
+
+def test_the_scale_band_spans_zero_and_the_perturbed_runs_mean_widened_by_their_spread():
+    """Under GEMM rounding draws the projection must lie between 0 (an exact candidate) and the
+    perturbed runs' mean projection (a noisy candidate shares their bias: its own rounding noise
+    projected on itself), widened by k_band x their spread, at least band_floor x the norm-wise
+    noise and one unit roundoff; it is not judged without draws, where the scale is not judged, or
+    with k_band = 0."""
+    p = TolerancePolicy()
+    lo, hi = p.scale_band(-0.01, 0.001, 0.05, "float32", "param_grad", (64, 32), draws=True)
+    assert (lo, hi) == (pytest.approx(-0.01 - 8 * 0.001), pytest.approx(8 * 0.001))
+    lo, hi = p.scale_band(0.002, 0.0001, 0.05, "float32", "output", (2, 8, 32), draws=True)
+    assert (lo, hi) == (pytest.approx(-0.1 * 0.05), pytest.approx(0.002 + 0.1 * 0.05))   # the floor
+    assert p.scale_band(0.0, 0.0, 0.0, "bfloat16", "output", (8, 8), draws=True) == (-2.0**-8, 2.0**-8)
+    unbounded = (-math.inf, math.inf)
+    assert p.scale_band(-0.01, 0.001, 0.05, "float32", "param_grad", (64, 32), draws=False) == unbounded
+    assert p.scale_band(-0.01, 0.001, 0.05, "float32", "param_grad", (64,), draws=True) == unbounded
+    assert p.scale_band(-0.01, 0.001, 0.05, "float32", "param", (64, 32), draws=True) == unbounded
+    for off in (TolerancePolicy(k_band=0), TolerancePolicy(k_scale=0)):
+        assert off.scale_band(-0.01, 0.001, 0.05, "float32", "output", (8, 8), True) == unbounded
+    configured = TolerancePolicy.from_config({"k_band": 4, "band_floor": 0.5})
+    assert configured.scale_band(0.0, 0.01, 0.05, "float32", "output", (8, 8), True) == (-0.04, 0.04)

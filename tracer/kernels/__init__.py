@@ -35,14 +35,19 @@ __all__ = ["candidate", "excusal", "reference_side", "warm_up"]
 
 
 def warm_up() -> None:
-    """Load (or compile) the kernels now, for float32 and float64 chunks: a fresh process pays it once,
-    here rather than inside its first comparison (orchestrator/prefetch.py calls it while the jobs
-    run)."""
-    one, zero, none = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0)
+    """Load (or compile) every kernel now, for float32 and float64 data: a fresh process pays it once,
+    here rather than inside its first comparison (orchestrator/prefetch.py calls it while a check's
+    jobs run; `make setup` once, to compile them into the cache)."""
+    from tracer.kernels.moments import moments
+
+    one, zero, none, at = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0), np.uint64(0)
     offsets = np.zeros(2, np.int64)
-    for dtype in (np.float32, np.float64):
-        x, f8 = np.zeros(1, dtype), np.zeros(1)
+    for dtype, uint in ((np.float32, np.uint32), (np.float64, np.uint64)):
+        x, f8, flags = np.zeros(1, dtype), np.zeros(1), np.zeros(1, np.bool_)
         side = reference_side(x, x.reshape(1, 1), none, zero, one, f8, zero, zero, offsets, offsets,
                               x.copy(), x.copy(), f8.copy(), f8.copy())
         candidate(x, x, x, none, zero, one, f8, side[3], side[4], zero, zero, offsets, offsets, f8, f8,
-                  side[12])
+                  side[14])
+        excusal.gradient(x, x, x, at, 1, 1.0, 0.0, flags, f8.copy(), f8.copy())
+        excusal.param(x, x.reshape(1, 1), x, at, 1, flags, none, none, False, 1.0, 1.0)
+        moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint))

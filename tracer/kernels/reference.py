@@ -35,13 +35,15 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
     over all (may be env itself), and for row-column tensors the all-runs row factors
     a_i = sqrt(A_i / (R T)) at a_all[a_off[t]:] and column factors sqrt(B_j) at cf_all[c_off[t]:].
     Returns per-tensor float64 arrays (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise,
-    scale_noise, ref_nonfinite, pert_nonfinite, moved, rc_rms, rc_noise, own_noise)."""
+    scale_noise, scale_mean, scale_spread, ref_nonfinite, pert_nonfinite, moved, rc_rms, rc_noise,
+    own_noise): scale_* of the runs' projections <p_r - r, r> / ||r||^2 (largest magnitude, mean,
+    largest minus smallest)."""
     T = starts.shape[0]
     R = P.shape[0]
     masked = judged.shape[0] > 0
-    out = np.zeros((14, T))
-    (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf,
-     rc_rms, rc_noise, own_noise) = out
+    out = np.zeros((16, T))
+    (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
+     ref_nf, pert_nf, rc_rms, rc_noise, own_noise) = out
     moved = np.zeros(T, dtype=np.int64)
     pn2, dots, scl, nu_u = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     a = np.zeros(max(R, 1) * TILE)   # |p_k - r| of the piece, run k at k * TILE
@@ -112,15 +114,19 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
         for k in range(R):
             big = max(big, math.sqrt(pn2[k]))
         rn_eff[t] = rn_all if (rn_all > 0.0 or R == 0) else big
+        low, high = math.inf, -math.inf
         for k in range(R):
             pn = math.sqrt(pn2[k])
             scl[k] = pn / rn if rn > 0.0 else 0.0
             noise[t] = max(noise[t], ratio(pn, rn_eff[t]))
             if pn > 0.0:
                 moved[t] |= 1 << k
-            if s_rn2 > 0.0:
-                scale_noise[t] = max(scale_noise[t], abs(dots[k] / s_rn2))
+            along = dots[k] / s_rn2 if s_rn2 > 0.0 else 0.0
+            scale_noise[t] = max(scale_noise[t], abs(along))
+            scale_mean[t] += along / R
+            low, high = min(low, along), max(high, along)
             nu[t] = max(nu[t], scl[k])
+        scale_spread[t] = high - low if R > 0 else 0.0
         max_noise[t] = ratio(emax, amax) if R > 0 else 0.0
         if R == 0:
             continue
@@ -195,5 +201,5 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
         elem_noise[t] = largest(acc, TILE)
         rc_noise[t] = largest(acc_rc, TILE)
         own_noise[t] = largest(acc_own, TILE)
-    return (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, ref_nf, pert_nf,
-            moved, rc_rms, rc_noise, own_noise)
+    return (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean,
+            scale_spread, ref_nf, pert_nf, moved, rc_rms, rc_noise, own_noise)
