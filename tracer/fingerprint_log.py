@@ -23,7 +23,7 @@ import torch
 
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
-from tracer.stats import local_stats
+from tracer.stats import load_kernel, local_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 SCAN_MODE = "scan"
@@ -58,6 +58,7 @@ class FingerprintLog:
         self._pending: list[tuple[int, torch.Tensor]] = []   # this step's (column, CPU copy)
         self._rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # this block's
         self.files: list[dict[str, Any]] = []
+        load_kernel()   # before the first step's statistics
 
     @property
     def entries(self) -> list[dict[str, Any]]:

@@ -114,6 +114,16 @@ _BITS = {np.dtype(np.float32): (np.uint32, np.uint32(0x7FFFFFFF)),
          np.dtype(np.float64): (np.uint64, np.uint64(0x7FFFFFFFFFFFFFFF))}
 
 
+def load_kernel() -> None:
+    """Import and load (numba's cache) the statistics kernel now, for both working dtypes: a writer in
+    stats or scan mode calls it before the first step. Loaded lazily by the first part instead, it
+    took ~1 s on the writer thread, holding the GIL in bursts that stalled the training thread's
+    snapshots of steps 1-3 (single adds of 100-140 ms, measured)."""
+    empty = torch.zeros(8, dtype=torch.uint8)
+    for dtype in _NUMPY_FLOATS:
+        slab_stats(empty, [(0, dtype.itemsize)], dtype)
+
+
 def of_tensor(t: torch.Tensor) -> Stat:
     """A whole tensor's statistics (a full-mode trace, or a partial sum reassembled)."""
     s = local_stats([t])[0]

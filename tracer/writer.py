@@ -29,7 +29,7 @@ import torch
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
 from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
-from tracer.stats import MODES, PARTIAL_IN_FULL, slab_stats
+from tracer.stats import MODES, PARTIAL_IN_FULL, load_kernel, slab_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 # A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
@@ -53,6 +53,8 @@ class TraceWriter:
         self.fs.makedirs(self.dir, exist_ok=True)
         self.header, self.mode = header, mode
         self._full = mode == "full"
+        if not self._full:
+            load_kernel()   # before the first step, not on the writer thread during it
         # Per record: (FIELDS values, shape, dtype, part file or None); manifest entries are built at
         # close, off the training thread's path.
         self._rows: list[tuple[tuple, torch.Size, torch.dtype, str | None]] = []

@@ -133,6 +133,23 @@ def test_a_rank_that_dies_mid_step_leaves_no_committed_manifest(tmp_path):
         read_run(str(tmp_path), "r", 1)
 
 
+@pytest.mark.parametrize("mode", ["stats", "scan"])
+def test_a_statistics_writer_loads_its_kernel_before_the_first_step(tmp_path, mode):
+    """Stats and scan writers load the compiled statistics kernel when created (a fresh process), so
+    the first steps' snapshots never wait on the writer thread loading it (tracer.stats.load_kernel)."""
+    script = textwrap.dedent(f"""
+        from tracer.collector import Tracer
+        from tracer.kernels.moments import moments
+        assert not moments.signatures
+        tracer = Tracer({str(tmp_path)!r}, "r", 0, {{}}, {{}}, mode={mode!r})
+        print(len(moments.signatures))
+        tracer.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["2"], proc.stderr
+
+
 class _FakeCuda:
     """Stand-in for torch.cuda recording the calls the device copier makes (CPU tensors copy at once)."""
 
