@@ -27,7 +27,7 @@ class Slot(NamedTuple):
 
     row: int                  # the writer's record index (its manifest entry)
     dtype: torch.dtype
-    shape: torch.Size
+    shape: tuple[int, ...]
     offset: int               # byte offset in the slab
     nbytes: int
     keep: bool                # written to the part file (False: its statistics only, tracer/stats.py)
@@ -157,6 +157,6 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
             dst.copy_(tensor)
         else:
             copier.copy(part, dst, tensor)
-    part.slots.append((row, dtype, shape, off, nbytes, keep))
+    part.slots.append((row, dtype, tuple(shape), off, nbytes, keep))   # atoms only: GC-untracked
     part.used = off + nbytes
     return True

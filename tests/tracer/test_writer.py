@@ -2,6 +2,7 @@
 checksums old and new, the manifest committed last, the CUDA copy ordering (on CPU), and the
 statistics of trace.mode=stats combined across shards."""
 
+import gc
 import hashlib
 import json
 import math
@@ -64,6 +65,24 @@ def test_parts_written_from_slabs_read_back_bit_for_bit_in_several_parts(tmp_pat
     for name, t in want.items():
         assert got[name].tensor.dtype == t.dtype and got[name].tensor.shape == t.shape, name
         assert torch.equal(got[name].tensor.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def test_the_writers_bookkeeping_per_record_is_left_out_of_the_cyclic_gc(tmp_path):
+    """Per record the training thread keeps a manifest row and a slot in the current part; both hold
+    atoms only, so the GC untracks them at its next pass (tracked, they pushed a full collection of
+    the process every few dozen steps). The manifest still carries each record's layout and shape."""
+    w = TraceWriter(str(tmp_path), "r", 0, {"run": "r", "rank": 0, "coords": {}, "sizes": {}, "meta": {}})
+    layout = Shard(0, "tp").to_json()
+    for seq in range(50):
+        w.add((f"0/-/m{seq}/output", f"m{seq}", "Linear", "output", 0, None, seq, layout, 1.0),
+              torch.ones(4, 3))
+    gc.collect()
+    gc.collect()   # a row's own tuple is untracked a pass after the tuple of fields inside it
+    assert not any(gc.is_tracked(r) for r in w._rows)
+    assert not any(gc.is_tracked(s) for s in w._part.slots)
+    w.close()
+    entries = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())["entries"]
+    assert [(e["layout"], e["shape"], e["seq"]) for e in entries] == [(layout, [4, 3], i) for i in range(50)]
 
 
 def test_stats_mode_records_the_statistics_of_each_snapshot_as_local_stats_computes_them(tmp_path):
