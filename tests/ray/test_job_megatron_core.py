@@ -8,7 +8,6 @@ confirms.
 """
 
 import fnmatch
-import socket
 
 import pytest
 import torch
@@ -17,17 +16,13 @@ import torch.multiprocessing as mp
 pytest.importorskip("megatron.core")
 
 from orchestrator.check import run_checks  # noqa: E402
+from orchestrator.rank_tasks import free_port  # noqa: E402
 from orchestrator.recipe import compose  # noqa: E402
 from workloads import bugs  # noqa: E402
 
 MODEL = {"name": "gpt_tiny", "vocab": 128, "hidden": 64, "heads": 4, "layers": 4, "seq_len": 32,
          "ffn_hidden": 256}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PHASES = {"tp2_sp": (2, 1, True), "single": (1, 1, False), "pp2": (1, 2, False)}   # (tp, pp, sp) on 2 ranks
@@ -86,7 +81,7 @@ def plans() -> dict:
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()

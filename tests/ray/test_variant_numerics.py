@@ -8,8 +8,6 @@ Same harness as test_workload_numerics.py: one torch.multiprocessing spawn of 4 
 from __future__ import annotations
 
 import copy
-import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel, run_in_process
 
+from orchestrator.rank_tasks import free_port
 from tracer import Layout, Replicate
 from tracer.errors import ConfigError
 from tracer.layouts import Piece, assemble
@@ -51,20 +50,7 @@ BUGGY = {"grad_accum_not_scaled": "tp2", "kv_head_grad_unreduced": "tp2", "atten
          "zero1_gather_offset_wrong": "dp2_zero1", "vpp_layer_offset_wrong": "pp2_vpp2",
          "cp_loss_scaling_wrong": "cp2", "cp_rope_offset_wrong": "cp2", "cp_attention_backward_wrong": "cp2"}
 NPROCS = 4
-_PORTS = iter(random.Random().sample(range(15000, 30000), 1000))
 
-
-def _free_port() -> int:
-    """A bindable port below the ephemeral range (outgoing connections, e.g. a concurrently running
-    Ray, cannot take it between this check and the job's rendezvous)."""
-    for port in _PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port")
 
 
 def make_spec(parallel: str, bug: str = "none", perturb_seed: int | None = None,
@@ -135,13 +121,13 @@ def _assemble(shards: list[dict], key: str, step: int | None = None) -> dict[str
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("variant_numerics")
-    jobs = [(p, make_spec(p), _free_port()) for p in PARALLEL]
-    jobs += [(f"{p}+{b}", make_spec(p, b), _free_port()) for b, p in BUGGY.items()]
-    jobs += [(f"single~ulp{i}", make_spec("single", perturb_seed=i), _free_port()) for i in (1, 2)]
-    jobs += [(f"gpt-{p}", make_spec(p, model="gpt"), _free_port())
+    jobs = [(p, make_spec(p), free_port()) for p in PARALLEL]
+    jobs += [(f"{p}+{b}", make_spec(p, b), free_port()) for b, p in BUGGY.items()]
+    jobs += [(f"single~ulp{i}", make_spec("single", perturb_seed=i), free_port()) for i in (1, 2)]
+    jobs += [(f"gpt-{p}", make_spec(p, model="gpt"), free_port())
              for p in ("single", "dp2_zero1", "pp2_vpp2", "cp2")]
-    jobs += [(f"moe-{p}", moe_spec(p), _free_port()) for p in ("single", *MOE_PARALLEL)]
-    jobs += [(f"moe-{p}+{b}", moe_spec(p, b), _free_port()) for b, p in MOE_BUGGY.items()]
+    jobs += [(f"moe-{p}", moe_spec(p), free_port()) for p in ("single", *MOE_PARALLEL)]
+    jobs += [(f"moe-{p}+{b}", moe_spec(p, b), free_port()) for b, p in MOE_BUGGY.items()]
     mp.spawn(_worker, args=(jobs, str(out)), nprocs=NPROCS, join=True)
     runs = {}
     for name, spec, _ in jobs:

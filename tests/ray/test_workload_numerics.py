@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from orchestrator.rank_tasks import free_port
 from tracer import Layout, Replicate, param_layouts
 from tracer.errors import ConfigError
 from tracer.layouts import Piece, assemble
@@ -141,11 +141,6 @@ def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
                     "mb_losses": rec.losses}, Path(out_dir) / f"{name}.{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _assemble(shards: list[dict], key: str, step: int | None = None) -> dict[str, tuple[torch.Tensor, float]]:
     """Logical tensor and replica disagreement of every parameter (or grad at `step`)."""
@@ -171,9 +166,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("workload_numerics")
-    jobs = [(p, make_spec(p), _free_port()) for p in PARALLEL]
-    jobs += [(f"{p}+{b}", make_spec(p, b), _free_port()) for b, p in BUGGY.items()]
-    jobs += [(p, make_spec("single", perturb_seed=i + 1), _free_port()) for i, p in enumerate(PERTURBED)]
+    jobs = [(p, make_spec(p), free_port()) for p in PARALLEL]
+    jobs += [(f"{p}+{b}", make_spec(p, b), free_port()) for b, p in BUGGY.items()]
+    jobs += [(p, make_spec("single", perturb_seed=i + 1), free_port()) for i, p in enumerate(PERTURBED)]
     mp.spawn(_worker, args=(jobs, str(out)), nprocs=NPROCS, join=True)
     runs = {}
     for name, spec, _ in jobs:
