@@ -231,7 +231,7 @@ class TolerancePolicy:
     # Scale band (module doc) under GEMM rounding draws: k_band x the projections' spread, at least
     # band_floor x the norm-wise noise (docs/tolerance.md "The scale band"); k_band = 0 turns it off.
     k_band: float = 8.0
-    band_floor: float = 0.1
+    band_floor: float = 0.25
     # Replicas (the same logical tensor on several ranks): "exact" (the default) requires bitwise
     # agreement, as the same kernels on the same inputs give; "tolerance" judges their distance
     # against the norm-wise tolerance, for recipes with nondeterministic kernels.
