@@ -37,23 +37,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe, routing  # noqa: E402
-from tracer.compare import compare, rounding_draws  # noqa: E402
+from tracer.compare import compare  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
     compute_roundoff,
     elem_err,
-    elem_noise,
     noise_scale,
     own_err,
     projection,
     rel_err,
     rowcol_err,
-    rowcol_noise,
-    rowcol_shape,
     unit_roundoff,
 )
+from tracer.verdicts import TensorResult  # noqa: E402
 
 # Calibration runs these (gpt_tiny); the held-out clean matrix runs every recipe that fits a family.
 PARALLELS = ("single", "tp2", "tp2_sp", "dp2", "pp2", "tp2_pp2", "tp2_dp2")
@@ -254,27 +252,23 @@ def calibrate(rows: list[dict]) -> dict[str, Any]:
 LAYER = "layers.1."   # the "one layer's grads" probe: every param_grad of this layer at step 0
 
 
-def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: str, kind: str,
-             policy: TolerancePolicy, megatron: float, draws: bool) -> dict[str, bool]:
-    """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, elementwise,
-    row-column, and the joint rule where the perturbed runs are GEMM rounding draws: `draws`), its
-    norm-wise metric alone, Megatron's fixed bound, assert_close."""
+def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: str, judged: TensorResult,
+             megatron: float) -> dict[str, bool]:
+    """Which methods flag candidate tensor c: the policy's verdict (norm-wise, scale, scale band,
+    elementwise, row-column, joint rule) against the thresholds the comparison itself applied to this
+    tensor (`judged`: the clean candidate's TensorResult, noise pooled over the tensor's family as in
+    a check; none of them depends on the candidate), its norm-wise metric alone, Megatron's fixed
+    bound, assert_close."""
     u = unit_roundoff(dtype)
-    noise = [rel_err(p, r) for p in ps]
-    re = rel_err(c, r)
-    along = [projection(p, r) for p in ps]
-    low, high = policy.scale_band(statistics.mean(along), max(along) - min(along), max(noise), dtype, kind,
-                                  r.shape, draws)
-    view, rc, rc_noise = rowcol_shape(r.shape, kind), rowcol_err(c, r, ps, u), max(rowcol_noise(ps, r, u))
-    own_noise = max(own_err(p.double() - r.double(), r, u) for p in ps)
-    own_tol, joint_tol = policy.own_tolerances(own_noise, rc_noise, view, draws)
-    verdict = (re > policy.tolerance(noise, dtype)
-               or abs(projection(c, r)) > policy.scale_tolerance(noise, dtype, kind, r.shape)
-               or not low <= projection(c, r) <= high
-               or elem_err(c, r, noise_scale(ps, r, u)) > policy.elem_tolerance(elem_noise(ps, r, u))
-               or rc > policy.rowcol_tolerance([rc_noise], view)
-               or (own_err(c.double() - r.double(), r, u) > own_tol and rc > joint_tol))
-    return {"ttrace": verdict, "ttrace_normwise": re > policy.tolerance(noise, dtype),
+    re, along, rc = rel_err(c, r), projection(c, r), rowcol_err(c, r, ps, u)
+    verdict = (re > judged.tolerance
+               or abs(along) > judged.scale_tolerance
+               or not judged.scale_band[0] <= along <= judged.scale_band[1]
+               or elem_err(c, r, noise_scale(ps, r, u)) > judged.elem_tolerance
+               or rc > judged.rowcol_tolerance
+               or (own_err(c.double() - r.double(), r, u) > judged.own_tolerance
+                   and rc > judged.joint_tolerance))
+    return {"ttrace": verdict, "ttrace_normwise": re > judged.tolerance,
             "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
 
 
@@ -298,7 +292,8 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         idx = list(torch.unravel_index(torch.tensor(flat), shard.shape))
         probes.append(("element", [name], tuple(int(i) + (half if d == shard_dim else 0)
                                                 for d, i in enumerate(idx))))
-    out, draws = [], rounding_draws(pert)
+    judged = {res.name: res for res in compare(ref, cand, pert, policy).results}
+    out = []
     for mode, names, idx in probes:
 
         def detected(delta: float, names: list[str] = names, idx: tuple | None = idx) -> dict[str, bool]:
@@ -311,8 +306,8 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
                 else:
                     c[idx] = c[idx] * (1 + delta)
                 c = c.to(getattr(torch, e["dtype"])).double()   # a corruption the traced dtype can hold
-                one = _detects(c, r, [p.tensors[name].tensor for p in pert], e["dtype"], e["kind"], policy,
-                               megatron_bound(prec), draws)
+                one = _detects(c, r, [p.tensors[name].tensor for p in pert], e["dtype"], judged[name],
+                               megatron_bound(prec))
                 det = {m: det.get(m, False) or d for m, d in one.items()}
             return det
 
