@@ -24,7 +24,6 @@ MODEL = {"name": "gpt_tiny", "vocab": 128, "hidden": 64, "heads": 4, "layers": 4
          "ffn_hidden": 256}
 
 
-
 PHASES = {"tp2_sp": (2, 1, True), "single": (1, 1, False), "pp2": (1, 2, False)}   # (tp, pp, sp) on 2 ranks
 
 

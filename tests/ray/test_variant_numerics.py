@@ -52,7 +52,6 @@ BUGGY = {"grad_accum_not_scaled": "tp2", "kv_head_grad_unreduced": "tp2", "atten
 NPROCS = 4
 
 
-
 def make_spec(parallel: str, bug: str = "none", perturb_seed: int | None = None,
               model: str = "llama") -> dict:
     spec = copy.deepcopy(BASE)

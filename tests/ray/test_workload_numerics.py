@@ -141,7 +141,6 @@ def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
                     "mb_losses": rec.losses}, Path(out_dir) / f"{name}.{rank}.pt")
 
 
-
 def _assemble(shards: list[dict], key: str, step: int | None = None) -> dict[str, tuple[torch.Tensor, float]]:
     """Logical tensor and replica disagreement of every parameter (or grad at `step`)."""
     sizes = shards[0]["sizes"]
