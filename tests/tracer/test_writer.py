@@ -38,8 +38,32 @@ def _tensors() -> dict[str, torch.Tensor]:
         "s": torch.tensor(2.5),                                      # 0-dim
         "e": torch.empty(0, 4),                                      # empty
         "t": big.t(),                                                # not contiguous
+        "o": big[3:5],                                               # contiguous, storage offset > 0
+        "n": torch._neg_view(torch.randn(4, 3, generator=g)),        # lazy negation: its bytes are -x's
+        "w": _Wrapped(torch.randn(6, 2, generator=g)),               # a subclass: no bytes of its own
         "big": torch.randn(40, 40, generator=g),                     # larger than a slab
     }
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper tensor subclass (as DTensor is): its values live in `inner`, not at its data_ptr()."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   strides=inner.stride())
+
+    def __init__(self, inner: torch.Tensor):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapped) else x
+        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return _Wrapped(out) if func is torch.ops.aten.detach.default else out
+
+    def clone(self, *args, **kwargs):
+        return self.inner.clone()
 
 
 def _write(root: Path, run: str, flush_bytes: int = 1024, mode: str = "full",
@@ -49,7 +73,7 @@ def _write(root: Path, run: str, flush_bytes: int = 1024, mode: str = "full",
     tensors = dict(_tensors(), **(extra or {}))
     for seq, (name, t) in enumerate(tensors.items()):
         w.add((name, name, "", "output", 0, None, seq, Replicate().to_json(), 1.0), t)   # writer.FIELDS
-    kept = {n: t.clone() for n, t in tensors.items()}
+    kept = {n: t.clone().resolve_neg() for n, t in tensors.items()}
     for t in tensors.values():   # changed after the record: the snapshot must not see it
         if t.numel() and t.dtype.is_floating_point and t.dtype.itemsize > 1:
             t.add_(1)
