@@ -146,7 +146,7 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
 
 def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | None,
              keep: bool = True) -> bool:
-    """Copy `tensor` (detached) into the part at the next offset aligned to its element size; False if
+    """Copy `tensor`'s values into the part at the next offset aligned to its element size; False if
     it does not fit (the caller starts a new part). The training thread's hot path, no allocation: a
     dense host tensor is one memmove of its bytes, any other tensor two torch calls (a view of the
     slab, the copy)."""
@@ -165,6 +165,7 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
         # conjugation, no bytes that are its values.
         _memmove(part.base + off, tensor.data_ptr(), nbytes)
     elif nbytes:
+        tensor = tensor.detach()   # the copy is not part of the graph (a memmove never is)
         typed = part.typed.get(dtype)
         if typed is None:
             typed = part.typed_view(dtype)

@@ -81,7 +81,6 @@ class TraceWriter:
         afterwards). On the training thread's path for every traced tensor: kept lean."""
         if self._error is not None:
             self._raise_if_failed()
-        tensor = tensor.detach()
         keep = self._full or bool(PARTIAL_IN_FULL and fields[7].get("partial"))
         row = len(self._rows)
         part = self._part
