@@ -5,6 +5,8 @@
   writer, kept below as LegacyTraceWriter: a copy per tensor, safetensors.save, sha256), all in the
   same run, in fresh processes interleaved round by round. Exits 1 when a goal is missed
   (full <= 1.3x, stats <= 1.1x).
+  `paired` beside them: the same ratio with traced and untraced steps interleaved in blocks of 4 in
+  one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's figure.
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
   peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
@@ -82,6 +84,60 @@ def _timed_session(spec: dict[str, Any], env: dict[str, str], times: list[float]
             return timed()
 
     return TimedSession(JobConfig.from_spec(spec, env=env))
+
+
+PAIRED_BLOCK = 4   # paired: this many steps traced, then as many with tracing paused, in turn
+
+
+def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[float],
+                    paused: list[float]) -> Any:
+    """The job's session with tracing paused on every other block of PAIRED_BLOCK steps: traced and
+    untraced steps of ONE process, interleaved every ~0.2 s, well under the swings of a shared
+    machine's load, which move the step time of separate processes by 10-30% (the interleaved
+    rounds of `tracer_overhead` average them out only over many rounds). A block's first step is
+    not counted: it pays the writer thread's work on the block before (and step 0, one-off
+    allocations). A paused step still passes through the idle forward hooks (~3 us per traced module,
+    ~0.4 ms of a gpt_tiny step): the paired ratio errs low by about that much."""
+    import contextlib
+
+    from tracer.job import Session
+    from tracer.job_config import JobConfig
+
+    class PairedSession(Session):
+        def step(self, step: int) -> Any:
+            @contextlib.contextmanager
+            def timed():
+                block, at = divmod(step, PAIRED_BLOCK)
+                on, tracer = block % 2 == 0, self._tracer
+                t0 = time.perf_counter()
+                with Session.step(self, step):
+                    if not on:   # what the hooks and records check (tracer.collector.Tracer)
+                        tracer._step, tracer.enabled = None, False
+                    try:
+                        yield
+                    finally:
+                        tracer._step, tracer.enabled = step, True
+                if at:
+                    (traced if on else paused).append(time.perf_counter() - t0)
+            return timed()
+
+    return PairedSession(JobConfig.from_spec(spec, env=env))
+
+
+def _train_paired(spec: dict[str, Any], q: Any) -> None:
+    """Child process: one single-rank job timed by `_paired_session`."""
+    import os
+
+    from orchestrator.rank_tasks import free_port
+    from workloads import train
+
+    traced: list[float] = []
+    paused: list[float] = []
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port("127.0.0.1"))}
+    os.environ.update(env)
+    train.main(_paired_session(spec, env, traced, paused))
+    q.put({"traced": traced, "paused": paused})
 
 
 # tracer.writer.FIELDS (bench must not depend on it for the old writer's sake)
@@ -232,6 +288,7 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
 
 
 GOALS = {"step_time_ratio": 1.3, "stats_mode_step_time_ratio": 1.1}   # issue 16
+PAIRED_STEPS = 33   # per process: 4 traced blocks and 4 paused, 3 counted steps each
 WRITERS = {"off": None, "legacy_full": "full", "full": "full", "stats": "stats"}
 
 
@@ -251,6 +308,18 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
             steps_of[w] += res["steps"][1:]   # step 0 pays one-off allocations
             cpu_of[w] += res["step_cpu"][1:]
             bytes_of[w] = _dir_bytes(store / f"round{r}") if mode else 0
+    paired: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in ("full", "stats")}
+    for r in range(rounds):   # the same figures, traced and paused steps interleaved in one process
+        for mode, got in paired.items():
+            spec = _spec([f"steps={PAIRED_STEPS}"], str(tmp / f"tracer-overhead-paired-{mode}"), f"round{r}")
+            spec["trace"]["mode"] = mode
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=_train_paired, args=(spec, q))
+            p.start()
+            res = _result(p, q)
+            got["traced"] += res["traced"]
+            got["paused"] += res["paused"]
     med = {w: statistics.median(v) for w, v in steps_of.items()}
     # The mean beside the median: a full GC pass or a stall on the writer thread is a rare long step
     # that the median ignores and a training run pays.
@@ -264,6 +333,11 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
     # Before this change there was no stats mode: its `before` is the full trace it replaces.
     out["stats_mode_step_time_ratio"] = {"before": med["legacy_full"] / med["off"],
                                          "after": med["stats"] / med["off"]}
+    out["paired"] = {}
+    for mode, got in paired.items():
+        on, off = statistics.median(got["traced"]), statistics.median(got["paused"])
+        out["paired"][mode] = {"steps_per_kind": len(got["traced"]), "block": PAIRED_BLOCK,
+                               "traced_median_s": on, "paused_median_s": off, "step_time_ratio": on / off}
     out["missed"] = [k for k, goal in GOALS.items() if out[k]["after"] > goal]
     return out
 
@@ -476,6 +550,10 @@ def table(r: dict[str, Any]) -> str:
         for k, goal in GOALS.items():
             lines.append(f"{k}: before {t[k]['before']:.2f}, after {t[k]['after']:.2f} (goal <= {goal})"
                          f"{'  MISSED' if k in t['missed'] else ''}")
+        for mode, pr in t.get("paired", {}).items():
+            lines.append(f"paired in one process, {mode}: traced {pr['traced_median_s'] * 1e3:.1f} ms, "
+                         f"paused {pr['paused_median_s'] * 1e3:.1f} ms, x{pr['step_time_ratio']:.2f} "
+                         f"({pr['steps_per_kind']} steps each, blocks of {pr['block']})")
         lines.append("")
     lines += ["tracer overhead (single rank, gloo, CPU; steps after the first)",
              f"{'model':<13}{'step off ms':>12}{'step on ms':>12}{'step x':>8}{'wall x':>8}"

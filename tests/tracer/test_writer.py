@@ -81,7 +81,10 @@ def _write(root: Path, run: str, flush_bytes: int = 1024, mode: str = "full",
     return kept
 
 
-def test_parts_written_from_slabs_read_back_bit_for_bit_in_several_parts(tmp_path):
+@pytest.mark.parametrize("write_bytes", [None, 40])   # 40: a part's bytes in many writes, split mid-tensor
+def test_parts_written_from_slabs_read_back_bit_for_bit_in_several_parts(tmp_path, monkeypatch, write_bytes):
+    if write_bytes is not None:
+        monkeypatch.setattr("tracer.writer.WRITE_BYTES", write_bytes)
     want = _write(tmp_path, "r")
     manifest = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())
     assert manifest["checksum"] == "xxh3_64" and len(manifest["files"]) > 2
