@@ -126,17 +126,11 @@ def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[floa
 
 def _train_paired(spec: dict[str, Any], q: Any) -> None:
     """Child process: one single-rank job timed by `_paired_session`."""
-    import os
-
-    from orchestrator.rank_tasks import free_port
     from workloads import train
 
     traced: list[float] = []
     paused: list[float] = []
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port("127.0.0.1"))}
-    os.environ.update(env)
-    train.main(_paired_session(spec, env, traced, paused))
+    train.main(_paired_session(spec, _single_rank_env(), traced, paused))
     q.put({"traced": traced, "paused": paused})
 
 
@@ -209,9 +203,6 @@ def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
     """Child process: run each single-rank job in turn (the built-in job's entrypoint, as ttrace's
     launcher calls it); report step times, wall, CPU time and peak RSS. `legacy`: trace with the
     writer before issue 16."""
-    import os
-
-    from orchestrator.rank_tasks import free_port
     from workloads import train
 
     if legacy:
@@ -222,13 +213,23 @@ def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
     for spec in specs:
         times: list[float] = []
         cpu: list[float] = []
-        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port("127.0.0.1"))}
-        os.environ.update(env)
+        env = _single_rank_env()
         t0 = time.perf_counter()
         train.main(_timed_session(spec, env, times, cpu))
         out.append({"steps": times, "wall": time.perf_counter() - t0, "step_cpu": cpu})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _single_rank_env() -> dict[str, str]:
+    """A one-rank job's torch.distributed environment (a free rendezvous port), set in os.environ."""
+    import os
+
+    from orchestrator.rank_tasks import free_port
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port("127.0.0.1"))}
+    os.environ.update(env)
+    return env
 
 
 def _rank(rank: int, spec: dict[str, Any], port: int) -> None:
@@ -256,9 +257,14 @@ def _spawn_ranks(spec: dict[str, Any]) -> None:
 
 
 def _spawn(specs: list[dict[str, Any]], legacy: bool = False) -> dict[str, Any]:
+    return _in_child(_train, specs, legacy=legacy)
+
+
+def _in_child(target: Any, *args: Any, **kwargs: Any) -> Any:
+    """target(*args, q, **kwargs) in a fresh spawned process (its peak RSS is its own); its one result."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_train, args=(specs, q, legacy))
+    p = ctx.Process(target=target, args=(*args, q), kwargs=kwargs)
     p.start()
     return _result(p, q)
 
@@ -313,11 +319,7 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
         for mode, got in paired.items():
             spec = _spec([f"steps={PAIRED_STEPS}"], str(tmp / f"tracer-overhead-paired-{mode}"), f"round{r}")
             spec["trace"]["mode"] = mode
-            ctx = mp.get_context("spawn")
-            q = ctx.Queue()
-            p = ctx.Process(target=_train_paired, args=(spec, q))
-            p.start()
-            res = _result(p, q)
+            res = _in_child(_train_paired, spec)
             got["traced"] += res["traced"]
             got["paused"] += res["paused"]
     med = {w: statistics.median(v) for w, v in steps_of.items()}
@@ -371,11 +373,7 @@ def _compare(store: str, runs: list[str], q: Any, tree: str | None = None) -> No
 
 
 def _compare_in_child(store: str, runs: list[str], tree: str | None) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")   # a fresh process per run: its peak RSS is the comparison's own
-    q = ctx.Queue()
-    p = ctx.Process(target=_compare, args=(store, runs, q, tree))
-    p.start()
-    return _result(p, q)
+    return _in_child(_compare, store, runs, tree=tree)   # a fresh process per run: its own peak RSS
 
 
 def _result(p: Any, q: Any, timeout_s: float = 1800) -> Any:
