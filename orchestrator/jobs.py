@@ -103,12 +103,20 @@ def _child_env(job: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]
 
 
 def _run_command(job: Mapping[str, Any], env: Mapping[str, str], log: RankLog, rank: int) -> dict[str, Any]:
+    from orchestrator import warm_python
+    from orchestrator.forked_rank import HOST_ENV
+
     argv = command_argv(str(job["command"]), {**os.environ, **env})
     cwd = job.get("workdir") or None
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _PDEATHSIG, str(os.getpid()), *argv], cwd=cwd,
-                                env=_child_env(job, env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
+        # In a worker of the warm pool (rank_tasks.rank_task sent it there): the rank is its fork.
+        if os.environ.get(HOST_ENV) and warm_python.warm_start(job, argv):
+            proc: Any = warm_python.start(argv, cwd, _child_env(job, env))
+        else:
+            proc = subprocess.Popen([sys.executable, "-c", _PDEATHSIG, str(os.getpid()), *argv], cwd=cwd,
+                                    env=_child_env(job, env), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    errors="replace")
     except OSError as e:
         raise JobError(f"rank {rank}: job.command could not be started in {cwd or os.getcwd()} ({e})") \
             from None

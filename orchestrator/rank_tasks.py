@@ -1,8 +1,9 @@
 """What Ray runs for one rank: the rendezvous task and the rank tasks (scheduling: cluster.py).
 
-The built-in trainer's ranks run in a warm Ray worker itself, and so do command jobs (their rank is
-a child process anyway). Every other in-process job gets a fresh process per rank, forked from a warm
-worker of its own pool (forked_rank.py).
+The built-in trainer's ranks run in a warm Ray worker itself. Every other job gets a fresh process per
+rank: a command's own child process, forked from a warm worker of the pool for `python SCRIPT`
+(warm_python.py), and for an in-process entrypoint forked from a warm worker of its own pool
+(forked_rank.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 import ray
 
 from orchestrator.forked_rank import HOST_ENV, host_key, run_forked
-from orchestrator.jobs import BUILTIN_ENTRYPOINT
+from orchestrator.jobs import BUILTIN_ENTRYPOINT, command_argv
 from orchestrator.rank_logs import node_id
+from orchestrator.warm_python import warm_start
 
 
 def worker_env() -> dict[str, str]:
@@ -73,15 +75,20 @@ _rank = ray.remote(max_retries=0)(_run_rank)
 # equal to rank 0's half; torch 2.13, gloo; scripts/repro_dtensor_reused_process.py; clearing
 # DTensor's redistribute and sharding caches does not help). Megatron and transformers keep
 # process-global state too, and so may any user entrypoint. The built-in trainer keeps none and runs
-# in warm workers itself; a command job runs in a child process of its own.
+# in warm workers itself; a command job runs in a child process of its own (warm_python.py).
 _rank_forked = ray.remote(max_retries=0)(_run_rank_forked)
 
 
 def rank_task(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The remote function a job's ranks run, and its extra options: in the worker itself for the
-    built-in trainer or a command (whose rank is a child process anyway), else forked from a warm
-    worker of the job's own pool (its runtime_env names the pool)."""
+    built-in trainer or a command (whose rank is a child process: a fork of a warm worker of the pool
+    for `python SCRIPT`), else forked from a warm worker of the job's own pool (its runtime_env names
+    the pool)."""
     job = spec.get("job") or {}
-    if job.get("command") or job.get("entrypoint") in (None, "", BUILTIN_ENTRYPOINT):
+    pool = {"runtime_env": {"env_vars": {**worker_env(), HOST_ENV: host_key(spec)}}}
+    if job.get("command"):   # `python SCRIPT`: forked by a worker of the pool (warm_python.py)
+        argv = command_argv(str(job["command"]), {**os.environ, **(job.get("env") or {})})
+        return (_rank, pool) if warm_start(job, argv) else (_rank, {})
+    if job.get("entrypoint") in (None, "", BUILTIN_ENTRYPOINT):
         return _rank, {}
-    return _rank_forked, {"runtime_env": {"env_vars": {**worker_env(), HOST_ENV: host_key(spec)}}}
+    return _rank_forked, pool

@@ -43,6 +43,7 @@ class Job:
     workdir: str | None = None       # the ranks' working directory (default: where ttrace was started)
     env: dict[str, Any] = field(default_factory=dict)   # extra environment variables for every rank
     version: str | None = None       # your code's version (e.g. a git sha): keys the reference cache
+    warm_start: bool = True          # `python SCRIPT` ranks forked from a warm interpreter (warm_python.py)
 
 
 @dataclass

@@ -29,18 +29,23 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
 
 
 def test_which_ranks_run_in_the_worker_and_which_are_forked_from_a_pool_of_their_own():
-    """The built-in trainer keeps no process-global state and runs in warm workers itself, as does a
-    command job (its rank is a child process anyway). Other entrypoints are forked, each adapter from
-    workers of its own pool (megatron-core's import-time shims never reach another job's ranks), a
-    user's entrypoint from workers that preloaded torch only (its module is never imported before
-    the fork, so a long-lived worker cannot run a stale copy)."""
+    """The built-in trainer keeps no process-global state and runs in warm workers itself. A command's
+    rank is a child process: `python SCRIPT` forked by a worker of the torch-only pool (warm_python.py),
+    any other program (or job.warm_start=false) started from any warm worker. Other entrypoints are
+    forked, each adapter from workers of its own pool (megatron-core's import-time shims never reach
+    another job's ranks), a user's entrypoint from workers that preloaded torch only (its module is
+    never imported before the fork, so a long-lived worker cannot run a stale copy)."""
     from orchestrator import rank_tasks
     from orchestrator.forked_rank import HOST_ENV, preloads
     from orchestrator.recipe import compose, job_of
 
     assert rank_tasks.rank_task({"job": job_of(compose([]))}) == (rank_tasks._rank, {})
     command = {"job": job_of(compose(["job.command=python train.py"]))}
-    assert rank_tasks.rank_task(command)[0] is rank_tasks._rank
+    task, options = rank_tasks.rank_task(command)
+    assert task is rank_tasks._rank and options["runtime_env"]["env_vars"][HOST_ENV] == "torch._dynamo"
+    for fresh in (["job.command=bash train.sh"], ["job.command=python -u train.py"],
+                  ["job.command=python train.py", "job.warm_start=false"]):
+        assert rank_tasks.rank_task({"job": job_of(compose(fresh))}) == (rank_tasks._rank, {}), fresh
     pools = set()
     for job in ("torch_native", "hf", "megatron_core"):
         spec = {"job": job_of(compose([f"job={job}"]))}

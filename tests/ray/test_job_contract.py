@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,6 +163,7 @@ def faulty(ray_cluster, tmp_path_factory):
                                   *common]
     for name in ("after.py", "before.py"):
         recipes[name] = [f"job.command=python {name}", "parallel=single", "+job.env.ABORT=after", *common]
+    recipes["before.py"].append("job.warm_start=false")   # the same exits from a fresh interpreter
     results = run_checks([(compose(r), base / name.removesuffix(".py")) for name, r in recipes.items()],
                          base_dir=str(base))
     return base, dict(zip(recipes, results, strict=True))
@@ -181,7 +183,8 @@ def test_a_job_that_fails_or_traces_nothing_is_an_error_naming_the_rank(faulty, 
     assert logs and all((out / p).exists() for p in logs)
 
 
-HANGS = "import time, tracer\ntr = tracer.session()\nprint('hanging', flush=True)\ntime.sleep(3600)\n"
+HANGS = ("import os, time, tracer\ntr = tracer.session()\nprint('hanging in', os.getpid(), flush=True)\n"
+         "time.sleep(3600)\n")
 
 
 def test_a_hung_command_is_stopped_with_its_process(faulty):
@@ -191,17 +194,23 @@ def test_a_hung_command_is_stopped_with_its_process(faulty):
 
     import psutil
 
-    res = faulty[1]["hang_forever.py"]
+    base, results = faulty
+    res = results["hang_forever.py"]
     assert res.verdict == "error" and "timed out after 10s" in res.message, res.message
-    left = lambda: [p for p in psutil.process_iter(["cmdline"])
-                    if "hang_forever.py" in " ".join(p.info["cmdline"] or [])]
+    out = base / "hang_forever"
+    logs = [out / p for ps in json.loads(res.report_path.read_text())["logs"].values() for p in ps]
+    pids = [int(m) for log in logs for m in re.findall(r"hanging in (\d+)", log.read_text())]
+    assert pids, logs   # the hung ranks said who they are
+    alive = lambda: [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     deadline = time.monotonic() + 20
-    while left() and time.monotonic() < deadline:
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left(), [p.info["cmdline"] for p in left()]
+    assert not alive(), alive()
 
 
 ABORTS_AT_EXIT = """
+import sys
+print("torch preloaded:", "torch" in sys.modules)   # a warm start: the rank forked after importing it
 import os, torch, tracer
 tr = tracer.session()
 torch.manual_seed(0)
@@ -220,8 +229,13 @@ if os.environ.get("ABORT") == "after":
 
 def test_an_abort_after_a_complete_trace_is_a_warning_and_before_it_an_error(faulty):
     """torch's gloo teardown can abort a finished rank at interpreter exit (SIGABRT): its trace is
-    complete, the check goes on and says so. A rank that aborts before committing its trace fails."""
-    after, before = faulty[1]["after.py"], faulty[1]["before.py"]
+    complete, the check goes on and says so. A rank that aborts before committing its trace fails.
+    Both hold for a rank forked warm (after.py) and for one started fresh (before.py)."""
+    base, results = faulty
+    after, before = results["after.py"], results["before.py"]
+    for name, warm in (("after", True), ("before", False)):
+        logs = list((base / name / "logs").glob("*/rank00000.log"))
+        assert logs and all(f"torch preloaded: {warm}" in p.read_text() for p in logs), logs
     assert after.verdict == "pass", after.message or after.report.get("first_divergence")
     assert any("rank 0 was killed by signal 6 (SIGABRT) after committing a complete trace" in w
                for w in after.report["warnings"]), after.report.get("warnings")
