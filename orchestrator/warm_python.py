@@ -6,7 +6,8 @@ line: 3.5-4.5 s of CPU here, for every rank of every run of a check (1 + R + 1 r
 of the rank pool (forked_rank.py: it imports those once and never runs a job itself) forks the rank's
 process instead, and the child runs the script the way `python` would:
 
-- `sys.argv`, `sys.path[0]` (the script's directory; the working directory for `-m`), `__main__`;
+- `sys.argv`, `sys.path` (the script's directory, or the working directory for `-m`, then
+  `PYTHONPATH`), `__main__`;
 - the rank's environment and working directory, stdin from /dev/null, stdout and stderr to the
   pipes its worker reads into the rank's log;
 - at the end: an uncaught exception through `sys.excepthook` and exit code 1, `SystemExit`'s code,
@@ -147,7 +148,11 @@ def _run(target: tuple[str, str, list[str]]) -> int:
               "directory", file=sys.stderr)
         return 2
     sys.argv = [name, *args]   # for -m, runpy sets argv[0] to the module's file
-    sys.path.insert(0, os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)))
+    # The path python would start with: the script's directory (cwd for -m), then PYTHONPATH's entries
+    # (job.env may add some the worker never had), then the worker's own.
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(name)),
+                    *(p for p in extra if p not in sys.path)]
     sys.excepthook = sys.__excepthook__
     try:
         if kind == "module":

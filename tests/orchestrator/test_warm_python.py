@@ -29,9 +29,9 @@ sys.exit(int(how) if how else None)
 """
 
 
-def _both(tmp_path: Path, argv: list[str]) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
+def _both(tmp_path: Path, argv: list[str], **extra: str) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
     """(code, stdout, stderr) of `argv` forked warm, and of the same run by a fresh interpreter."""
-    env = {"X": "1", "PATH": str(Path(sys.executable).parent), "PYTHONUNBUFFERED": "1"}   # as ttrace sets
+    env = {"X": "1", "PATH": str(Path(sys.executable).parent), "PYTHONUNBUFFERED": "1", **extra}   # as ttrace
     proc = warm_python.start(argv, str(tmp_path), env)
     warm = proc.stdout.read(), proc.stderr.read()
     fresh = subprocess.run([sys.executable if a == "python" else a for a in argv], cwd=tmp_path, env=env,
@@ -60,6 +60,16 @@ def test_python_dash_m_runs_the_module_from_the_working_directory(tmp_path):
     warm, fresh = _both(tmp_path, ["python", "-m", "trainpkg.run", "7"])
     assert warm[0] == fresh[0] == 7
     assert warm[1] == fresh[1] and f"path0 {tmp_path}" in warm[1], (warm[1], fresh[1])
+
+
+def test_pythonpath_from_the_rank_environment_is_on_the_path(tmp_path):
+    """`+job.env.PYTHONPATH=src`: the script imports the team's package from it, warm as fresh."""
+    (tmp_path / "src" / "teamlib").mkdir(parents=True)
+    (tmp_path / "src" / "teamlib" / "__init__.py").write_text("WHO = 'teamlib'\n")
+    (tmp_path / "train.py").write_text("import sys, teamlib\nprint(teamlib.WHO, sys.path[1])\n")
+    warm, fresh = _both(tmp_path, ["python", "train.py"], PYTHONPATH="src")
+    assert warm[0] == fresh[0] == 0, (warm, fresh)
+    assert warm[1] == fresh[1] == f"teamlib {tmp_path / 'src'}\n", (warm, fresh)
 
 
 def test_a_missing_script_exits_2_as_python_does(tmp_path):
