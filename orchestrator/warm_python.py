@@ -34,6 +34,7 @@ import runpy
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
@@ -128,6 +129,9 @@ def _child(target: tuple[str, str, list[str]], cwd: str | None, env: Mapping[str
         os.environ.update(env)
         atexit._clear()   # the Ray worker's handlers: never the rank's
         code = _run(target)
+    except BaseException:   # setting the rank up failed (its working directory, ...): into its log
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
