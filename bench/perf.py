@@ -480,17 +480,10 @@ def check_latency(tmp: Path, rounds: int = 4) -> dict[str, Any]:
     import ray
 
     import orchestrator.check
-    from orchestrator.check import run_check
     from orchestrator.prefetch import ReferencePrefetch
-    from orchestrator.recipe import compose
 
     def one(tag: str) -> dict[str, Any]:
-        rec = compose(["store.url=" + str(tmp / f"latency-store-{tag}")])
-        res = run_check(rec, tmp / f"latency-out-{tag}", base_dir=str(tmp))
-        t = res.report["timings"]
-        longest = max(t.get("jobs", {}).values(), default=float("nan"))
-        return {"verdict": res.verdict, "timings": t, "longest_job_s": longest,
-                "ratio": t["total"] / longest}
+        return _timed_check([], tmp, tag, base_dir=tmp)
 
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     try:
@@ -519,6 +512,20 @@ def check_latency(tmp: Path, rounds: int = 4) -> dict[str, Any]:
             "command": command, "missed": missed}
 
 
+def _timed_check(overrides: list[str], tmp: Path, tag: str, base_dir: Path) -> dict[str, Any]:
+    """One check with a fresh store (its reference jobs run): verdict, timings, and its wall time
+    over its longest job."""
+    from orchestrator.check import run_check
+    from orchestrator.recipe import compose
+
+    rec = compose([*overrides, "store.url=" + str(tmp / f"latency-store-{tag}")])
+    res = run_check(rec, tmp / f"latency-out-{tag}", base_dir=str(base_dir))
+    t = res.report["timings"]
+    longest = max(t.get("jobs", {}).values(), default=float("nan"))
+    return {"verdict": res.verdict, "timings": t, "total_s": t["total"], "longest_job_s": longest,
+            "ratio": t["total"] / longest}
+
+
 COMMAND_JOB = ["job.command=python examples/ddp_by_hand/train.py", "parallel=dp2"]
 
 
@@ -528,26 +535,17 @@ def command_check_latency(tmp: Path, rounds: int) -> dict[str, Any]:
     warm_python.py); `after`: forked from a warm worker of the pool. The first `after` check starts
     the pool's workers (`after_first_check_s`, beside the medians of the warm ones); then interleaved,
     `rounds` each, every check with a fresh store."""
-    from orchestrator.check import run_check
-    from orchestrator.recipe import compose
-
-    def one(tag: str, warm: bool) -> dict[str, Any]:
-        rec = compose([*COMMAND_JOB, f"job.warm_start={str(warm).lower()}",
-                       "store.url=" + str(tmp / f"command-store-{tag}")])
-        res = run_check(rec, tmp / f"command-out-{tag}", base_dir=str(ROOT))
-        t = res.report["timings"]
-        longest = max(t.get("jobs", {}).values(), default=float("nan"))
-        return {"verdict": res.verdict, "timings": t, "longest_job_s": longest, "ratio": t["total"] / longest}
-
+    # The script's path is relative to the checkout (the check's base directory).
+    one = lambda tag, warm: _timed_check([*COMMAND_JOB, f"job.warm_start={str(warm).lower()}"], tmp,
+                                         f"command-{tag}", base_dir=ROOT)
     first = one("first", True)
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     for i in range(rounds):
         for when in ("before", "after"):
             runs[when].append(one(f"{when}{i}", when == "after"))
-    median = lambda key: {w: statistics.median(r[key] if key != "total" else r["timings"]["total"]
-                                               for r in rs) for w, rs in runs.items()}
-    return {"job": COMMAND_JOB, "ratio_to_longest_job": median("ratio"), "total_s": median("total"),
-            "longest_job_s": median("longest_job_s"), "after_first_check_s": first["timings"]["total"],
+    median = lambda key: {w: statistics.median(r[key] for r in rs) for w, rs in runs.items()}
+    return {"job": COMMAND_JOB, "ratio_to_longest_job": median("ratio"), "total_s": median("total_s"),
+            "longest_job_s": median("longest_job_s"), "after_first_check_s": first["total_s"],
             "verdicts": sorted({r["verdict"] for rs in runs.values() for r in rs} | {first["verdict"]}),
             "runs": runs}
 

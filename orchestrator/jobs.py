@@ -27,6 +27,8 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from orchestrator import warm_python
+from orchestrator.forked_rank import HOST_ENV
 from orchestrator.rank_logs import RankLog, output_to, pump, rank_log
 from tracer.errors import ConfigError, JobError
 from tracer.heap import gc_frozen
@@ -103,9 +105,6 @@ def _child_env(job: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]
 
 
 def _run_command(job: Mapping[str, Any], env: Mapping[str, str], log: RankLog, rank: int) -> dict[str, Any]:
-    from orchestrator import warm_python
-    from orchestrator.forked_rank import HOST_ENV
-
     argv = command_argv(str(job["command"]), {**os.environ, **env})
     cwd = job.get("workdir") or None
     try:
