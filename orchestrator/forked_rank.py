@@ -52,6 +52,23 @@ def host_key(spec: dict[str, Any]) -> str:
     return preloads(spec)[-1]
 
 
+def retitle(title: str) -> None:
+    """Name a forked rank's process after what it runs: a fork keeps its worker's title
+    (`ray::_run_rank_forked`), so `ps`, `pgrep -f` and `py-spy dump` would not find the rank under
+    its own command. Ray's own setproctitle: it owns a worker's argv area (the setproctitle package
+    cannot rewrite it there)."""
+    with contextlib.suppress(Exception):   # cosmetic: never fails a rank
+        from ray._raylet import setproctitle
+
+        setproctitle(title)
+
+
+def rank_title(spec: dict[str, Any], rank: Any) -> str:
+    """`ttrace <role> rank <r>: <entrypoint>`, e.g. `ttrace candidate rank 1: train:main`."""
+    role = (spec.get("trace") or {}).get("role") or "job"
+    return f"ttrace {role} rank {rank}: {(spec.get('job') or {}).get('entrypoint') or 'workloads.train'}"
+
+
 def run_forked(run: Callable[..., dict[str, Any]], spec: dict[str, Any], *args: Any,
                **kwargs: Any) -> dict[str, Any]:
     """`run(spec, *args, **kwargs)` in a child forked from this (warm) process; its result, or its
@@ -98,6 +115,7 @@ def _child(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     for sig in (signal.SIGTERM, signal.SIGINT):   # the Ray worker's handlers would act on Ray's state
         signal.signal(sig, signal.SIG_DFL)
+    retitle(rank_title(spec, args[0] if args else "?"))
     try:
         message: dict[str, Any] = {"result": run(spec, *args, **kwargs)}
     except BaseException as e:   # SystemExit included: the rank's own exit is its failure

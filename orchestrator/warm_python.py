@@ -31,6 +31,7 @@ import importlib
 import io
 import os
 import runpy
+import shlex
 import signal
 import sys
 import threading
@@ -38,7 +39,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from orchestrator.forked_rank import BASE_PRELOADS
+from orchestrator.forked_rank import BASE_PRELOADS, retitle
 from tracer.heap import gc_frozen
 
 PYTHONS = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")
@@ -96,15 +97,15 @@ def start(argv: Sequence[str], cwd: str | None, env: Mapping[str, str]) -> Forke
         if pid == 0:   # never returns
             os.close(out_r)
             os.close(err_r)
-            _child(target, cwd, env, out_w, err_w, parent)
+            _child(target, shlex.join(argv), cwd, env, out_w, err_w, parent)
     os.close(out_w)
     os.close(err_w)
     text = lambda fd: open(fd, encoding="utf-8", errors="replace")
     return ForkedPython(pid, text(out_r), text(err_r))
 
 
-def _child(target: tuple[str, str, list[str]], cwd: str | None, env: Mapping[str, str], out_w: int,
-           err_w: int, parent: int) -> None:
+def _child(target: tuple[str, str, list[str]], title: str, cwd: str | None, env: Mapping[str, str],
+           out_w: int, err_w: int, parent: int) -> None:
     code = 1
     try:
         with contextlib.suppress(Exception):
@@ -113,6 +114,7 @@ def _child(target: tuple[str, str, list[str]], cwd: str | None, env: Mapping[str
             os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # the Ray worker's handlers act on Ray's state
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        retitle(title)   # `python train.py ...` in ps, as a fresh rank's
         devnull = os.open(os.devnull, os.O_RDONLY)
         for fd, to in ((devnull, 0), (out_w, 1), (err_w, 2)):
             os.dup2(fd, to)

@@ -72,6 +72,15 @@ def test_pythonpath_from_the_rank_environment_is_on_the_path(tmp_path):
     assert warm[1] == fresh[1] == f"teamlib {tmp_path / 'src'}\n", (warm, fresh)
 
 
+def test_a_forked_rank_shows_its_own_command_in_ps(tmp_path):
+    """Not its worker's title: `ps`, `pgrep -f train.py` and `py-spy dump` find the rank by its command."""
+    (tmp_path / "train.py").write_text("print(open('/proc/self/cmdline').read().replace(chr(0), ' ')"
+                                       ".strip())\n")
+    proc = warm_python.start(["python", "train.py", "--bug", "a b"], str(tmp_path), {})
+    assert proc.wait() == 0
+    assert proc.stdout.read().strip() == "python train.py --bug 'a b'"
+
+
 def test_a_missing_script_exits_2_as_python_does(tmp_path):
     warm, fresh = _both(tmp_path, ["python", "nope.py"])
     assert warm[0] == fresh[0] == 2

@@ -76,7 +76,8 @@ def main():
     if mode == "hang":
         time.sleep(600)
     return {"pid": os.getpid(), "parent": os.getppid(), "calls": len(CALLS),
-            "torch_at_import": TORCH_AT_IMPORT, "ended": time.time()}
+            "torch_at_import": TORCH_AT_IMPORT, "ended": time.time(), "rank": os.environ["RANK"],
+            "title": open("/proc/self/cmdline").read().replace(chr(0), " ").strip()}
 """
 
 
@@ -110,6 +111,7 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
     assert all(r["calls"] == 1 for r in ranks), ranks           # a fresh module in every rank
     assert all(r["torch_at_import"] for r in ranks), ranks     # forked after the warm import
     assert len({r["pid"] for r in ranks}) == 4
+    assert all(r["title"] == f"ttrace job rank {r['rank']}: probe_rank:main" for r in ranks), ranks   # ps
     # Warm reuse: the second job's ranks fork from a worker the first warmed. Ray may start a fresh
     # worker for one of them when the job loop (which now wakes as soon as a rank ends) launches it
     # before Ray has taken the first job's workers back into its pool.
