@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint ui clean bench-tolerance bench-bugs bench-perf bench-faults nightly chromium
+.PHONY: setup demo test test-fast lint ui clean bench-tolerance bench-bugs bench-perf bench-faults bench-suite nightly chromium
 
 setup: $(STAMP)
 
@@ -62,6 +62,11 @@ bench-perf: setup
 # (BENCH_ARGS="--only jobs,trace" narrows it)
 bench-faults: setup
 	$(BIN)/python bench/faults.py $(BENCH_ARGS)
+
+# The test suite's own cost: wall time, busy CPU-seconds, Ray workers started, peak memory -> bench/suite.json
+# (exits 1 on a failed test or a wall time over the goal, 600 s; BENCH_ARGS="--goal-s 900 tests/ray" narrows it)
+bench-suite: setup chromium
+	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check tracer orchestrator workloads tests examples bench hydra_plugins
