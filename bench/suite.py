@@ -42,10 +42,15 @@ def _busy_jiffies() -> int:
     return user + nice + system + irq + softirq
 
 
+def _meminfo_mb(key: str) -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(key)
+
+
 def _used_mb() -> float:
-    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    kb = lambda key: int(info[key].split()[0])
-    return (kb("MemTotal") - kb("MemAvailable")) / 1024
+    return _meminfo_mb("MemTotal") - _meminfo_mb("MemAvailable")
 
 
 def _cpu_model() -> str:
@@ -60,8 +65,8 @@ def _ray_sessions() -> set[Path]:
     return set(root.glob("session_2*")) if root.is_dir() else set()
 
 
-def measure(pytest_args: list[str]) -> dict[str, Any]:
-    """Run pytest once; its outcome and what the machine spent meanwhile."""
+def measure(pytest_args: list[str], cpus: int) -> dict[str, Any]:
+    """Run pytest once; its outcome and what the machine (`cpus` cores) spent meanwhile."""
     sessions_before, peak, done = _ray_sessions(), [_used_mb()], threading.Event()
 
     def sample() -> None:
@@ -82,7 +87,6 @@ def measure(pytest_args: list[str]) -> dict[str, Any]:
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", proc.stdout)}
     new = _ray_sessions() - sessions_before
     workers = sum(len(list((s / "logs").glob("worker-*.out"))) for s in new)
-    cpus = len(os.sched_getaffinity(0))
     return {"pytest_args": pytest_args, "exit_code": proc.returncode, "tests": counts,
             "wall_s": round(wall, 1), "busy_cpu_s": round(busy, 1),
             "cpu_busy_share": round(busy / (wall * cpus), 3), "ray_sessions": len(new),
@@ -95,10 +99,10 @@ def main() -> None:
     args, pytest_args = ap.parse_known_args()
     cpus = len(os.sched_getaffinity(0))
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _cpu_model(), "cpus": cpus,
-              "mem_total_mb": round(int(Path("/proc/meminfo").read_text().split()[1]) / 1024),
+              "mem_total_mb": round(_meminfo_mb("MemTotal")),
               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                        capture_output=True, text=True).stdout.strip(),
-              "goal_s": args.goal_s, **measure(pytest_args or ["tests"])}
+              "goal_s": args.goal_s, **measure(pytest_args or ["tests"], cpus)}
     over = result["wall_s"] > args.goal_s
     result["missed"] = [f"wall {result['wall_s']} s > {args.goal_s:g} s"] if over else []
     OUT.write_text(json.dumps(result, indent=1))
