@@ -50,16 +50,26 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
         return got.tensor
 
     def span(self, names: Sequence[str]) -> torch.Tensor | None:
-        """The tensors `names` as one flat view where the stored run holds them back to back
+        """The tensors `names` as one flat tensor where the stored run holds them back to back
         (tracer.logical.StoredTensors.span) and each has the reference's shape; None otherwise (look
-        them up one by one, which says what is wrong)."""
+        them up one by one, which says what is wrong). In the candidate, their replicas agreed bit
+        for bit."""
         stored = self.trace.tensors
-        if self.replicas is not None or not isinstance(stored, StoredTensors):
+        if not isinstance(stored, StoredTensors):
             return None
-        info, want = self.trace.info, self.reference.shape
-        if any(tuple(info[n]["shape"]) != want(n) for n in names):
+        want = self.reference.shape
+        if self.trace.world_size == 1:   # the manifest's shape is the logical one
+            info = self.trace.info
+            if any(tuple(info[n]["shape"]) != want(n) for n in names):
+                return None
+        elif any(self.trace.shape(n) != want(n) for n in names):
             return None
-        return stored.span(names)
+        whole = stored.span(names)
+        if whole is not None and self.replicas is not None:
+            for n in names:
+                ranks = sorted(rt.rank for rt, _ in stored.pieces(n))
+                self.replicas[n] = Assembled(tensor=_NONE, ranks=ranks)
+        return whole
 
     def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:
         assert self.replicas is not None

@@ -20,6 +20,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.rank_spans import assemble_chunk, plan_chunk
 from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
 
@@ -55,8 +56,8 @@ class LogicalTrace:
         if got is None:
             e = self.info[name]
             shape = [int(d) for d in e["shape"]]
-            for dim, ax in Layout.from_json(e["layout"]).shard:
-                shape[dim] *= int(self.sizes.get(ax, 1))
+            for dim, ax in e["layout"].get("shard", ()):   # Layout.from_json's reading, without the object
+                shape[int(dim)] *= int(self.sizes.get(ax, 1))
             got = self._shapes[name] = tuple(shape)
         return got
 
@@ -202,33 +203,46 @@ class StoredTensors(Mapping[str, Assembled]):
         return assemble(name, layout, pieces, self.sizes)
 
     def span(self, names: Sequence[str]) -> torch.Tensor | None:
-        """The tensors `names` as one flat view of the part that holds them, where a single-rank run
-        recorded them back to back in this order (its parts hold its records in record order, the
-        execution order a comparison walks): no lookup per tensor, no copy. None otherwise (pieces on
-        several ranks, a part boundary, dtypes or scales that differ): look them up one by one."""
-        if len(self._files) != 1:
-            return None
+        """The tensors `names`, reassembled, as one flat tensor where every rank recorded them back to
+        back in this order in one part (its parts hold its records in record order, the execution
+        order a comparison walks): a single-rank run's is a view of its part (no copy), a multi-rank
+        run's one pass over its ranks' parts (tracer/rank_spans.py), its replicas bitwise equal.
+        None otherwise (a part boundary, dtypes, scales or layouts the pass does not take, replicas
+        that differ): look them up one by one, which says what is wrong."""
+        if len(self._files) == 1:
+            parts, whole = self._view(names)
+        else:
+            plan = plan_chunk(names, self._pieces.__getitem__, self.sizes)
+            if plan is None:
+                return None
+            parts = [(rt, (rank, file)) for rank, (rt, file) in plan.files.items()]
+            whole = assemble_chunk(plan, {p[0]: self._part(rt, p).span(plan.keys[p[0]]) for rt, p in parts},
+                                   len(names))
+        if whole is not None:
+            for _, part in parts:
+                self._left[part] -= len(names)
+                if self._left[part] == 0:
+                    del self._parts[part], self._left[part]
+                    self._ready.pop(part, None)
+        return whole
+
+    def _view(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
+        """A single-rank run's span: ([its part], one view of it), or ([], None)."""
         first = self._pieces[names[0]][0]
         rt, file = first[0], first[1].get("file")
-        entries = []
+        keys = []
         for name in names:
             (piece,) = self._pieces[name]
             e = piece[1]
             if e.get("file") != file or float(e.get("scale", 1.0)) != 1.0:
-                return None
+                return [], None
             layout = e["layout"]
             if any(ax not in self.sizes for _, ax in layout.get("shard", ())) or any(
                     ax not in self.sizes for ax in layout.get("partial", ())):
-                return None   # the lookup raises the layout's error
-            entries.append(e)
+                return [], None   # the lookup raises the layout's error
+            keys.append(e["key"])
         part = (rt.rank, file)
-        whole = self._part(rt, part).span([e["key"] for e in entries])
-        if whole is not None:
-            self._left[part] -= len(names)
-            if self._left[part] == 0:
-                del self._parts[part], self._left[part]
-                self._ready.pop(part, None)
-        return whole
+        return [(rt, part)], self._part(rt, part).span(keys)
 
     def release(self) -> None:
         """Drop every part held. A lookup after the walk holds its part until then (the count of a

@@ -38,8 +38,10 @@ def warm_up() -> None:
     """Load (or compile) every kernel now, for float32 and float64 data: a fresh process pays it once,
     here rather than inside its first comparison (orchestrator/prefetch.py calls it while a check's
     jobs run; `make setup` once, to compile them into the cache)."""
+    from tracer.kernels import gather
     from tracer.kernels.moments import moments
 
+    gather.warm_up()
     one, zero, none, at = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0), np.uint64(0)
     offsets = np.zeros(2, np.int64)
     for dtype, uint in ((np.float32, np.uint32), (np.float64, np.uint64)):
