@@ -25,11 +25,33 @@ cache); `warm_up` loads them in a fresh process (~0.5 s) before a comparison nee
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
+import numba
 import numpy as np
 
-from tracer.kernels import excusal
-from tracer.kernels.candidate import candidate
-from tracer.kernels.reference import reference_side
+
+def _cache_dir() -> str:
+    """numba's cache directory for these kernels, named by the content of every file here. numba
+    keys a cached function on its own file only: a kernel whose inlined loop (loops.py) changed was
+    loaded stale from the cache, silently (measured: a mutation of loops.py survived every test)."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.name.encode() + source.read_bytes())
+    base = numba.config.CACHE_DIR or str(Path(__file__).parent / "__pycache__")
+    return str(Path(base) / f"ttrace-kernels-{digest.hexdigest()[:16]}")
+
+
+# A kernel's cache is located when it is defined (numba.njit(cache=True)): every kernel module is
+# imported here, with the directory set around the imports only.
+_user_dir, numba.config.CACHE_DIR = numba.config.CACHE_DIR, _cache_dir()
+try:
+    from tracer.kernels import excusal, gather, moments
+    from tracer.kernels.candidate import candidate
+    from tracer.kernels.reference import reference_side
+finally:
+    numba.config.CACHE_DIR = _user_dir
 
 __all__ = ["candidate", "excusal", "reference_side", "warm_up"]
 
@@ -38,9 +60,6 @@ def warm_up() -> None:
     """Load (or compile) every kernel now, for float32 and float64 data: a fresh process pays it once,
     here rather than inside its first comparison (orchestrator/prefetch.py calls it while a check's
     jobs run; `make setup` once, to compile them into the cache)."""
-    from tracer.kernels import gather
-    from tracer.kernels.moments import moments
-
     gather.warm_up()
     one, zero, none, at = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0), np.uint64(0)
     offsets = np.zeros(2, np.int64)
@@ -52,4 +71,4 @@ def warm_up() -> None:
                   side[14])
         excusal.gradient(x, x, x, at, 1, 1.0, 0.0, flags, f8.copy(), f8.copy())
         excusal.param(x, x.reshape(1, 1), x, at, 1, flags, none, none, False, 1.0, 1.0)
-        moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint))
+        moments.moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint))
