@@ -67,6 +67,33 @@ def ratios_into(acc, x, xo, w, m):
 
 
 @numba.njit(**INLINE)
+def top_two_into(top, second, x, xo, m):
+    """top[:m], second[:m] = the largest and second largest of themselves and x[xo:xo + m] (a tie
+    fills both; a NaN in x is ignored), without a branch."""
+    for j in range(U(m)):
+        v = x[xo + j]
+        t = top[j]
+        up = v > t
+        low = t if up else v
+        top[j] = v if up else t
+        s = second[j]
+        second[j] = low if low > s else s
+
+
+@numba.njit(**INLINE)
+def loo_ratios_into(acc, x, xo, top, second, mt, c, m):
+    """acc[:m] = max(acc[:m], x_j / w_j), w_j = (the largest of the other runs' x) + mt_j c, where
+    top and second hold the largest two over every run, x's included (top_two_into): 0/0 ignored,
+    x/0 inf."""
+    for j in range(U(m)):
+        v = x[xo + j]
+        w = (second[j] if v >= top[j] else top[j]) + mt[j] * c
+        q = v / w
+        a = acc[j]
+        acc[j] = q if q > a else a
+
+
+@numba.njit(**INLINE)
 def own_into(acc, x, xo, room, row_sum, cs, co, total, i_c, i_r, i_n, m):
     """acc[:m] = max(acc[:m], |x| / w), w = sqrt(a b / m) + room fitted without each element's own
     square (tracer.tolerance.own_err): a = (row_sum - x^2) / (cols - 1), b = (cs - x^2) / (rows - 1),

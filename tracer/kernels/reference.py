@@ -14,11 +14,13 @@ from tracer.kernels.loops import (
     count_nonfinite,
     deviations,
     largest,
+    loo_ratios_into,
     max_into,
     nanmax,
     own_into,
     ratio,
     ratios_into,
+    top_two_into,
     view,
 )
 
@@ -49,6 +51,7 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
     a = np.zeros(max(R, 1) * TILE)   # |p_k - r| of the piece, run k at k * TILE
     e, w, mt, acc, acc_rc, acc_own = (np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE),
                                       np.zeros(TILE), np.zeros(TILE))
+    top, second = np.zeros(TILE), np.zeros(TILE)
     for t in range(T):
         s0, n, u = U(starts[t]), lens[t], units[t]
         nr, nc, viewed = view(n, rows[t], cols[t])
@@ -176,16 +179,14 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
                     deviations(P[k], r, lo, m, judged, masked, a, U(k * TILE))
                 for j in range(U(m)):
                     mt[j] = abs(np.float64(r[lo + j])) + rms_t     # the element's magnitude
+                # The largest |p_q - r| over the runs but k: the second largest where run k holds the
+                # largest (2R passes over the piece, not R(R-1) maxima).
+                top[:] = 0.0
+                second[:] = 0.0
+                for q in range(R):
+                    top_two_into(top, second, a, U(q * TILE), m)
                 for k in range(R):
-                    for j in range(U(m)):
-                        w[j] = 0.0
-                    for q in range(R):
-                        if q != k:
-                            max_into(w, a, U(q * TILE), m)
-                    c_k = nu_u[k]
-                    for j in range(U(m)):
-                        w[j] += mt[j] * c_k
-                    ratios_into(acc, a, U(k * TILE), w, m)
+                    loo_ratios_into(acc, a, U(k * TILE), top, second, mt, nu_u[k], m)
                 if viewed:
                     for j in range(U(m)):
                         mt[j] = u * (abs(np.float64(r[lo + j])) + w_rms)   # the rounding room
