@@ -7,9 +7,11 @@ back in one part (ranks record in the same order), the chunk is planned from the
 every piece a block copy into the logical layout, every replica a bitwise comparison, each done for
 the whole chunk by one compiled call per rank (tracer/kernels/gather.py).
 
-The plan covers pieces that are replicas or sharded along one dim, unscaled; a chunk with anything
-else (partial sums, zigzag, a scale, shapes that do not fit, replicas that differ) returns None and is
-looked up tensor by tensor, whose assembly says what is wrong or measures the replicas' error.
+The plan covers pieces that are replicas or sharded along one dim, unscaled or scaled by a power of
+two (a DP run's grad_output records, applied exactly as tracer.logical.scaled does); a chunk with
+anything else (partial sums, zigzag, other scales, shapes that do not fit, replicas that differ)
+returns None and is looked up tensor by tensor, whose assembly says what is wrong or measures the
+replicas' error.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ChunkPlan:
         self.copies: dict[int, list[tuple[int, int, int, int, int]]] = {}   # rank -> gather rows
         self.replicas: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}   # (kept, other) -> rows
         self.used: dict[int, int] = {}             # rank -> elements of its span
+        self.scaled: list[tuple[int, int, float]] = []   # (first element, end, scale) of scaled tensors
         self.size = 0                              # elements of the reassembled chunk
         self.ranks: list[int] = []
 
@@ -67,11 +70,14 @@ def plan_chunk(names: Sequence[str], pieces_of: Callable[[str], Pieces],
         k = 1 if axis is None else sizes.get(axis)
         if k is None or (shard and not 0 <= dim < len(shape)):
             return None
+        scale = float(first.get("scale", 1.0))
+        if scale != 1.0 and abs(math.frexp(scale)[0]) != 0.5:   # tracer.logical.scaled: float64
+            return None
         n = math.prod(shape)
         outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
         kept: dict[int, tuple[int, int]] = {}   # coordinate -> (rank, span offset) of its first piece
         for rt, e in sorted(pieces, key=lambda p: p[0].rank):
-            if (e.get("file") != plan.files[rt.rank][1] or float(e.get("scale", 1.0)) != 1.0
+            if (e.get("file") != plan.files[rt.rank][1] or float(e.get("scale", 1.0)) != scale
                     or e["shape"] != shape or e["layout"] != layout):
                 return None
             rank, at = rt.rank, used[rt.rank]
@@ -85,6 +91,12 @@ def plan_chunk(names: Sequence[str], pieces_of: Callable[[str], Pieces],
                 plan.copies[rank].append((at, plan.size + j * inner, outer, inner, k * inner))
         if sorted(kept) != list(range(k)):
             return None
+        if scale != 1.0:
+            last = plan.scaled[-1] if plan.scaled else None
+            if last is not None and last[1] == plan.size and last[2] == scale:   # one run of them
+                plan.scaled[-1] = (last[0], plan.size + n * k, scale)
+            else:
+                plan.scaled.append((plan.size, plan.size + n * k, scale))
         plan.size += n * k
     return plan
 
@@ -109,4 +121,23 @@ def assemble_chunk(plan: ChunkPlan, spans: Mapping[int, torch.Tensor | None], te
     for rank, rows in plan.copies.items():
         if rows:
             gather(dst, view[rank], np.array(rows, np.int64).reshape(-1, 5))
-    return out
+    return out if _scaled(out, plan.scaled) else None
+
+
+_EXACT_BY_POWERS_OF_TWO = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _scaled(out: torch.Tensor, scaled: Sequence[tuple[int, int, float]]) -> bool:
+    """Each scaled tensor's elements times its power-of-two scale, in place, in their own dtype, as
+    tracer.logical.scaled applies it one tensor at a time; False (a lookup per tensor, which widens to
+    float64) where a product is not exact (subnormal, overflow, NaN) or the dtype has no exact powers
+    of two."""
+    if scaled and out.dtype not in _EXACT_BY_POWERS_OF_TWO:
+        return False
+    for start, end, scale in scaled:
+        piece = out[start:end]
+        up = piece * scale
+        if not torch.equal(up * (1.0 / scale), piece):
+            return False
+        piece.copy_(up)
+    return True

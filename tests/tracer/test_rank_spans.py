@@ -27,19 +27,24 @@ SIZES = {"tp": 2, "dp": 2}
 
 
 def _write(root: Path, run: str, ulp_on_rank: int | None = None, partial: bool = False,
-           dtype: torch.dtype = torch.float32) -> None:
+           dtype: torch.dtype = torch.float32, scales: dict[str, float] | None = None,
+           tiny: bool = False) -> None:
     """A tp2 x dp2 run (4 ranks) recording FULL's tensors as each rank holds them; with `ulp_on_rank`
     that rank's copy of the replicated 'a' is one ulp off in one element; with `partial` one more
-    tensor is a partial sum over tp (which the one-pass plan leaves to lookups)."""
+    tensor is a partial sum over tp (which the one-pass plan leaves to lookups); `scales`: path ->
+    its records' scale; with `tiny`, one element of 'c' is the smallest float32 subnormal."""
     for rank in range(4):
         coords = {"tp": rank % 2, "dp": rank // 2}
         tr = Tracer(str(root), run, rank, coords=coords, sizes=SIZES, meta={"fingerprint": "spans"})
         with tr.step(0):
             for path, (full, layout) in FULL.items():
+                if tiny and path == "c":
+                    full = full.clone()
+                    full[0, 0] = 2.0**-149
                 local = layout.local(full, coords, SIZES).to(dtype).contiguous().clone()
                 if path == "a" and rank == ulp_on_rank:
                     local[1, 2] = torch.nextafter(local[1, 2], torch.tensor(float("inf")))
-                tr.record(path, "output", local, layout)
+                tr.record(path, "output", local, layout, scale=(scales or {}).get(path, 1.0))
             if partial:
                 tr.record("g", "output", torch.full((3,), float(coords["tp"] + 1)), Partial("tp"))
         tr.close()
@@ -71,6 +76,27 @@ def test_a_chunk_of_every_layout_the_plan_takes_is_reassembled_exactly_in_one_pa
         got = _lazy(tmp_path, "candidate").tensors.span(names[lo:hi])
         want = torch.cat([one_by_one[n].tensor.reshape(-1) for n in names[lo:hi]])
         assert torch.equal(_bits(got), _bits(want))
+
+
+def test_records_scaled_by_powers_of_two_are_scaled_exactly_in_the_pass_or_left_to_lookups(tmp_path):
+    """A DP run's grad_output records carry a power-of-two scale: applied in the pass exactly as a
+    lookup applies it (in the stored dtype); a product that would round (a subnormal) or a scale that
+    is not a power of two leaves the chunk to lookups, which widen those tensors to float64."""
+    scales = {"b": 0.5, "c": 0.5, "e": 0.25}
+    _write(tmp_path, "scaled", scales=scales)
+    names = _lazy(tmp_path, "scaled").order
+    whole = _lazy(tmp_path, "scaled").tensors.span(names)
+    assert whole is not None and whole.dtype == torch.float32
+    logical = torch.cat([full.reshape(-1) * scales.get(path, 1.0) for path, (full, _) in FULL.items()])
+    assert torch.equal(whole, logical)
+    one_by_one = _lazy(tmp_path, "scaled").tensors
+    assert torch.equal(whole, torch.cat([one_by_one[n].tensor.reshape(-1) for n in names]))
+    for run, kw in (("third", {"scales": {"c": 1.0 / 3}}), ("tiny", {"scales": {"c": 0.5}, "tiny": True})):
+        _write(tmp_path, run, **kw)
+        names = _lazy(tmp_path, run).order
+        assert _lazy(tmp_path, run).tensors.span(names) is None, run
+        assert _lazy(tmp_path, run).tensors[names[2]].tensor.dtype == torch.float64   # 'c', widened
+    assert _lazy(tmp_path, "tiny").tensors[names[2]].tensor[0, 0].item() == 2.0**-150
 
 
 def test_replicas_one_bit_apart_or_a_partial_sum_are_left_to_the_lookup_that_measures_them(tmp_path):
