@@ -16,8 +16,9 @@
   same files from the same store.
 - scaling: compare time for 1x, 4x, 16x trace sizes (model.layers 2, 8, 32).
 - compare.throughput_ratio_to_raw_read (1x, 16x; goals >= 0.3, >= 0.5): before (the comparison as of
-  commit COMPARE_BASELINE, the last before its compiled kernels, run from that commit's files exported
-  to a temporary directory) and after (this tree), same run, same stores, fresh processes.
+  commit COMPARE_BASELINE, the last before its compiled kernels, or --compare-before's, run from that
+  commit's files exported to a temporary directory) and after (this tree), same run, same stores,
+  fresh processes.
 - check_latency.ratio_to_longest_job (goal <= 1.5): the demo check's wall time over its longest job
   on a warm cluster, before (that comparison) and after, same run. check_latency.command: the same
   for a user's script (a command job), each rank a fresh interpreter (before) or forked warm (after).
@@ -25,7 +26,8 @@
 Exits 1 when a goal is missed (an --only run: a goal of what it measured).
 
 Usage: python bench/perf.py [--steps 6] [--skip-e2e] [--only-tracer-overhead [--rounds 3]]
-       [--only-compare [--scales 1x,16x] [--compare-rounds 3]] [--only-check-latency] [--only-e2e]
+       [--only-compare [--scales 1x,16x] [--compare-rounds 3] [--compare-before COMMIT]]
+       [--only-check-latency] [--only-e2e]
 """
 
 from __future__ import annotations
@@ -426,11 +428,12 @@ def _exported(commit: str) -> str:
     return str(path)
 
 
-def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = ROUNDS) -> dict[str, Any]:
-    """Per size: the comparison `before` (COMPARE_BASELINE's code) and `after` (this tree's), each in
-    a fresh process, `rounds` times interleaved, each against the raw read measured just before it;
-    the medians (by ratio)."""
-    baseline = _exported(COMPARE_BASELINE)
+def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = ROUNDS,
+                    before: str = COMPARE_BASELINE) -> dict[str, Any]:
+    """Per size: the comparison `before` (the code of commit `before`, default COMPARE_BASELINE) and
+    `after` (this tree's), each in a fresh process, `rounds` times interleaved, each against the raw
+    read measured just before it; the medians (by ratio)."""
+    baseline = _exported(before)
     out = {}
     for label, layers in scales.items():
         store = str(tmp / f"scale-{label}")
@@ -451,7 +454,7 @@ def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = RO
                     "compare_gb_s": gb / cmp_s, "ratio": raw_s / cmp_s, "s_per_gb": cmp_s / gb,
                     "rss_over_trace": c["peak_rss_mb"] * 2**20 / nbytes})
         median = lambda rs: sorted(rs, key=lambda x: x["ratio"])[len(rs) // 2]
-        out[label] = {**median(rows["after"]), "before": median(rows["before"]),
+        out[label] = {**median(rows["after"]), "before": median(rows["before"]), "before_commit": before,
                       "ratios": {w: [r["ratio"] for r in rs] for w, rs in rows.items()}}
     return out
 
@@ -607,8 +610,9 @@ def table(r: dict[str, Any]) -> str:
     if "compare" in r:
         for size, v in r["compare"]["throughput_ratio_to_raw_read"].items():
             goal = COMPARE_GOALS.get(size)
-            lines.append(f"compare.throughput_ratio_to_raw_read {size}: before {v['before']:.3f}, after "
-                         f"{v['after']:.3f}" + (f" (goal >= {goal})" if goal else "")
+            commit = r.get("scaling", {}).get(size, {}).get("before_commit", COMPARE_BASELINE)
+            lines.append(f"compare.throughput_ratio_to_raw_read {size}: before ({commit}) {v['before']:.3f}, "
+                         f"after {v['after']:.3f}" + (f" (goal >= {goal})" if goal else "")
                          + ("  MISSED" if f"compare {size}" in r["compare"]["missed"] else ""))
     if "error" in r.get("check_latency", {}):
         lines += ["", f"check latency: not measured ({r['check_latency']['error'][:200]})"]
@@ -670,6 +674,8 @@ def main() -> None:
                     help="measure only the warm-cluster check latency, added to bench/perf.json")
     ap.add_argument("--scales", default=",".join(SCALES), help="comparison sizes, e.g. 1x,16x")
     ap.add_argument("--compare-rounds", type=int, default=ROUNDS)
+    ap.add_argument("--compare-before", default=COMPARE_BASELINE,
+                    help="the commit whose comparison is `before` (default: the last before the kernels)")
     args = ap.parse_args()
     only = args.only_e2e or args.only_compare or args.only_check_latency or args.only_tracer_overhead
     scales = {s: SCALES[s] for s in args.scales.split(",")}
@@ -686,7 +692,7 @@ def main() -> None:
             result["overhead"] = overhead(args.steps, tmp)
             OUT.write_text(json.dumps(result, indent=1, default=str))   # partial results survive a failure
         if not only or args.only_compare:
-            result["scaling"] = compare_scaling(tmp, scales, args.compare_rounds)
+            result["scaling"] = compare_scaling(tmp, scales, args.compare_rounds, args.compare_before)
             result["compare"] = compare_summary(result["scaling"])
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only or args.only_check_latency:
