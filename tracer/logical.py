@@ -20,7 +20,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
-from tracer.rank_spans import assemble_chunk, plan_chunk
+from tracer.rank_spans import assemble_chunk, dtype_runs, joined, plan_chunk
 from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
 
@@ -206,25 +206,34 @@ class StoredTensors(Mapping[str, Assembled]):
         """The tensors `names`, reassembled, as one flat tensor where every rank recorded them back to
         back in this order in one part (its parts hold its records in record order, the execution
         order a comparison walks): a single-rank run's is a view of its part (no copy), a multi-rank
-        run's one pass over its ranks' parts (tracer/rank_spans.py), its replicas bitwise equal.
-        None otherwise (a part boundary, dtypes, scales or layouts the pass does not take, replicas
-        that differ): look them up one by one, which says what is wrong."""
-        if len(self._files) == 1:
-            parts, whole = self._view(names)
-        else:
-            plan = plan_chunk(names, self._pieces.__getitem__, self.sizes)
-            if plan is None:
+        run's one pass over its ranks' parts (tracer/rank_spans.py), its replicas bitwise equal. Runs
+        of several dtypes (a bf16 run's fp32 grads among its bf16 records) are joined in the widest.
+        None otherwise (a part boundary, scales or layouts the pass does not take, replicas that
+        differ): look them up one by one, which says what is wrong."""
+        pieces, held = [], []
+        for group in dtype_runs(names, lambda n: self.info[n].get("dtype")):
+            parts, whole = self._view(group) if len(self._files) == 1 else self._assembled(group)
+            if whole is None:
                 return None
-            parts = [(rt, (rank, file)) for rank, (rt, file) in plan.files.items()]
-            whole = assemble_chunk(plan, {p[0]: self._part(rt, p).span(plan.keys[p[0]]) for rt, p in parts},
-                                   len(names))
-        if whole is not None:
-            for _, part in parts:
-                self._left[part] -= len(names)
+            pieces.append(whole)
+            held += [(part, len(group)) for _, part in parts]
+        out = joined(pieces)
+        if out is not None:
+            for part, n in held:
+                self._left[part] -= n
                 if self._left[part] == 0:
                     del self._parts[part], self._left[part]
                     self._ready.pop(part, None)
-        return whole
+        return out
+
+    def _assembled(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
+        """A multi-rank run's span of one dtype: (its ranks' parts, the chunk reassembled), or ([], None)."""
+        plan = plan_chunk(names, self._pieces.__getitem__, self.sizes)
+        if plan is None:
+            return [], None
+        parts = [(rt, (rank, file)) for rank, (rt, file) in plan.files.items()]
+        spans = {p[0]: self._part(rt, p).span(plan.keys[p[0]]) for rt, p in parts}
+        return parts, assemble_chunk(plan, spans, len(names))
 
     def _view(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
         """A single-rank run's span: ([its part], one view of it), or ([], None)."""

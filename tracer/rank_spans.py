@@ -141,3 +141,29 @@ def _scaled(out: torch.Tensor, scaled: Sequence[tuple[int, int, float]]) -> bool
             return False
         piece.copy_(up)
     return True
+
+
+def dtype_runs(names: Sequence[str], dtype_of: Callable[[str], Any]) -> list[list[str]]:
+    """`names` cut where the recorded dtype changes: a part stores each dtype's tensors as a run of
+    their own (tracer/safetensors_views.py), so one span covers one dtype."""
+    out: list[list[str]] = []
+    last = object()
+    for n in names:
+        dtype = dtype_of(n)
+        if not out or dtype != last:
+            out.append([])
+            last = dtype
+        out[-1].append(n)
+    return out
+
+
+def joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The spans of consecutive dtype runs as one flat tensor: the one span itself, else all of them
+    in float32 (float64 if one is; both hold every float dtype exactly, and the comparison works in
+    that dtype anyway); None for a non-float span."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if not all(p.dtype.is_floating_point for p in pieces):
+        return None
+    wide = torch.float64 if any(p.dtype == torch.float64 for p in pieces) else torch.float32
+    return torch.cat([p.to(wide) for p in pieces])

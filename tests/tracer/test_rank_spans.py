@@ -28,11 +28,12 @@ SIZES = {"tp": 2, "dp": 2}
 
 def _write(root: Path, run: str, ulp_on_rank: int | None = None, partial: bool = False,
            dtype: torch.dtype = torch.float32, scales: dict[str, float] | None = None,
-           tiny: bool = False) -> None:
+           tiny: bool = False, dtypes: dict[str, torch.dtype] | None = None) -> None:
     """A tp2 x dp2 run (4 ranks) recording FULL's tensors as each rank holds them; with `ulp_on_rank`
     that rank's copy of the replicated 'a' is one ulp off in one element; with `partial` one more
     tensor is a partial sum over tp (which the one-pass plan leaves to lookups); `scales`: path ->
-    its records' scale; with `tiny`, one element of 'c' is the smallest float32 subnormal."""
+    its records' scale; with `tiny`, one element of 'c' is the smallest float32 subnormal; `dtypes`:
+    path -> the dtype its records are stored in (default `dtype`)."""
     for rank in range(4):
         coords = {"tp": rank % 2, "dp": rank // 2}
         tr = Tracer(str(root), run, rank, coords=coords, sizes=SIZES, meta={"fingerprint": "spans"})
@@ -41,7 +42,8 @@ def _write(root: Path, run: str, ulp_on_rank: int | None = None, partial: bool =
                 if tiny and path == "c":
                     full = full.clone()
                     full[0, 0] = 2.0**-149
-                local = layout.local(full, coords, SIZES).to(dtype).contiguous().clone()
+                stored = (dtypes or {}).get(path, dtype)
+                local = layout.local(full, coords, SIZES).to(stored).contiguous().clone()
                 if path == "a" and rank == ulp_on_rank:
                     local[1, 2] = torch.nextafter(local[1, 2], torch.tensor(float("inf")))
                 tr.record(path, "output", local, layout, scale=(scales or {}).get(path, 1.0))
@@ -76,6 +78,31 @@ def test_a_chunk_of_every_layout_the_plan_takes_is_reassembled_exactly_in_one_pa
         got = _lazy(tmp_path, "candidate").tensors.span(names[lo:hi])
         want = torch.cat([one_by_one[n].tensor.reshape(-1) for n in names[lo:hi]])
         assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("world", [4, 1])
+def test_a_chunk_of_several_dtypes_is_joined_in_float32_or_float64(tmp_path, world):
+    """A bf16 run records fp32 grads and losses among its bf16 tensors, and a part stores each dtype
+    as a run of its own: the chunk is each dtype's span, joined in float32 (float64 where a record
+    is), as the lookups give it; a single-rank run (a reference) the same way."""
+    dtypes = {"b": torch.bfloat16, "c": torch.bfloat16, "e": torch.float64}
+    if world == 4:
+        _write(tmp_path, "mixed", dtypes=dtypes)
+    else:
+        tr = Tracer(str(tmp_path), "mixed", 0, coords={}, sizes={}, meta={"fingerprint": "spans"})
+        with tr.step(0):
+            for path, (full, _) in FULL.items():
+                tr.record(path, "output", full.to(dtypes.get(path, torch.float32)), Layout())
+        tr.close()
+    names = _lazy(tmp_path, "mixed", world).order
+    one_by_one = _lazy(tmp_path, "mixed", world).tensors
+    for chunk, dtype in ((names[:4], torch.float32), (names, torch.float64)):
+        got = _lazy(tmp_path, "mixed", world).tensors.span(chunk)
+        assert got is not None and got.dtype == dtype
+        assert torch.equal(got, torch.cat([one_by_one[n].tensor.reshape(-1).to(dtype) for n in chunk]))
+        logical = [full.to(dtypes.get(path, torch.float32)).to(dtype).reshape(-1)
+                   for path, (full, _) in FULL.items()]
+        assert torch.equal(got, torch.cat(logical[:len(chunk)]))
 
 
 def test_records_scaled_by_powers_of_two_are_scaled_exactly_in_the_pass_or_left_to_lookups(tmp_path):
