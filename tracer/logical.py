@@ -20,7 +20,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
-from tracer.rank_spans import assemble_chunk, dtype_runs, joined, plan_chunk
+from tracer.rank_spans import assemble_chunk, joined, plan_chunk, runs_by
 from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
 
@@ -204,20 +204,20 @@ class StoredTensors(Mapping[str, Assembled]):
 
     def span(self, names: Sequence[str]) -> torch.Tensor | None:
         """The tensors `names`, reassembled, as one flat tensor where every rank recorded them back to
-        back in this order in one part (its parts hold its records in record order, the execution
-        order a comparison walks): a single-rank run's is a view of its part (no copy), a multi-rank
-        run's one pass over its ranks' parts (tracer/rank_spans.py), its replicas bitwise equal. Runs
-        of several dtypes (a bf16 run's fp32 grads among its bf16 records) are joined in the widest.
-        None otherwise (a part boundary, scales or layouts the pass does not take, replicas that
-        differ): look them up one by one, which says what is wrong."""
+        back in this order (its parts hold its records in record order, the order a comparison
+        walks): a single-rank run's is a view of its part (no copy), a multi-rank run's one pass over
+        its ranks' parts (tracer/rank_spans.py), replicas bitwise equal. Runs of several dtypes (a bf16
+        run's fp32 grads) are read one by one and joined, in the widest dtype. None otherwise (a part
+        boundary: a walk holds one part per rank; other scales or layouts, replicas that differ)."""
         pieces, held = [], []
-        for group in dtype_runs(names, lambda n: self.info[n].get("dtype")):
+        for group in runs_by(names, lambda n: self.info[n].get("dtype")):
             parts, whole = self._view(group) if len(self._files) == 1 else self._assembled(group)
             if whole is None:
                 return None
             pieces.append(whole)
             held += [(part, len(group)) for _, part in parts]
-        out = joined(pieces)
+        parts = {part for part, _ in held}   # (rank, file): one per rank
+        out = joined(pieces) if len(parts) == len({rank for rank, _ in parts}) else None
         if out is not None:
             for part, n in held:
                 self._left[part] -= n

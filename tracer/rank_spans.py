@@ -143,16 +143,16 @@ def _scaled(out: torch.Tensor, scaled: Sequence[tuple[int, int, float]]) -> bool
     return True
 
 
-def dtype_runs(names: Sequence[str], dtype_of: Callable[[str], Any]) -> list[list[str]]:
-    """`names` cut where the recorded dtype changes: a part stores each dtype's tensors as a run of
-    their own (tracer/safetensors_views.py), so one span covers one dtype."""
+def runs_by(names: Sequence[str], key: Callable[[str], Any]) -> list[list[str]]:
+    """`names` cut where key(name) changes: e.g. their recorded dtype (a part stores each dtype's
+    tensors as a run of their own, tracer/safetensors_views.py), so that one span covers each run."""
     out: list[list[str]] = []
     last = object()
     for n in names:
-        dtype = dtype_of(n)
-        if not out or dtype != last:
+        k = key(n)
+        if not out or k != last:
             out.append([])
-            last = dtype
+            last = k
         out[-1].append(n)
     return out
 

@@ -105,6 +105,19 @@ def test_a_chunk_of_several_dtypes_is_joined_in_float32_or_float64(tmp_path, wor
         assert torch.equal(got, torch.cat(logical[:len(chunk)]))
 
 
+def test_a_chunk_is_read_whole_only_from_one_part_per_rank(tmp_path):
+    """A walk holds one part per rank (tracer.logical): dtype runs that lie in different parts (here
+    one part per record) are looked up one by one instead."""
+    tr = Tracer(str(tmp_path), "parts", 0, coords={}, sizes={}, meta={"fingerprint": "spans"}, flush_bytes=1)
+    with tr.step(0):
+        tr.record("a", "output", FULL["a"][0], Layout())
+        tr.record("b", "output", FULL["b"][0].to(torch.bfloat16), Layout())
+    tr.close()
+    names = _lazy(tmp_path, "parts", 1).order
+    assert _lazy(tmp_path, "parts", 1).tensors.span(names) is None
+    assert _lazy(tmp_path, "parts", 1).tensors.span(names[1:]) is not None
+
+
 def test_records_scaled_by_powers_of_two_are_scaled_exactly_in_the_pass_or_left_to_lookups(tmp_path):
     """A DP run's grad_output records carry a power-of-two scale: applied in the pass exactly as a
     lookup applies it (in the stored dtype); a product that would round (a subnormal) or a scale that
