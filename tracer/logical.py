@@ -9,7 +9,6 @@ looked up again later is read again.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ import torch
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble
-from tracer.rank_spans import assemble_chunk, joined, plan_chunk, runs_by
+from tracer.rank_spans import assemble_chunk, exactly_scaled, joined, plan_chunk, runs_by
 from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
 
@@ -115,19 +114,13 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
         return trace
 
 
-_EXACT_BY_POWERS_OF_TWO = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
 def scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
     """`t * scale` without rounding. A power of two (a DP grad scale of 1/2) only moves exponents: kept
     in `t`'s dtype, so the candidate's chunk is measured in the reference's precision against its
     prepared side (tracer/reference_side.py), unless a product lost bits (subnormal) or overflowed,
     which dividing back detects. Any other scale (an fp8 payload's, a grad scale of 1/3): float64."""
-    if t.dtype in _EXACT_BY_POWERS_OF_TWO and abs(math.frexp(scale)[0]) == 0.5:
-        out = t * scale
-        if torch.equal(out * (1.0 / scale), t):
-            return out
-    return t.double() * scale
+    out = exactly_scaled(t, scale)
+    return out if out is not None else t.double() * scale
 
 
 class StoredTensors(Mapping[str, Assembled]):
@@ -193,10 +186,7 @@ class StoredTensors(Mapping[str, Assembled]):
             if scale != 1.0:
                 t = scaled(t, scale)
             pieces.append(Piece(rt.manifest["coords"], t, rank))
-            self._left[part] -= 1
-            if self._left[part] == 0:
-                del self._parts[part], self._left[part]
-                self._ready.pop(part, None)
+            self._consumed(part, 1)
         layout = self._layouts.get(name)
         if layout is None:
             layout = self._layouts[name] = Layout.from_json(self.info[name]["layout"])
@@ -218,13 +208,16 @@ class StoredTensors(Mapping[str, Assembled]):
             held += [(part, len(group)) for _, part in parts]
         parts = {part for part, _ in held}   # (rank, file): one per rank
         out = joined(pieces) if len(parts) == len({rank for rank, _ in parts}) else None
-        if out is not None:
-            for part, n in held:
-                self._left[part] -= n
-                if self._left[part] == 0:
-                    del self._parts[part], self._left[part]
-                    self._ready.pop(part, None)
+        for part, n in held if out is not None else ():
+            self._consumed(part, n)
         return out
+
+    def _consumed(self, part: tuple[int, str], n: int) -> None:
+        """n more of the part's tensors assembled: dropped once all of them are (module doc)."""
+        self._left[part] -= n
+        if self._left[part] == 0:
+            del self._parts[part], self._left[part]
+            self._ready.pop(part, None)
 
     def _assembled(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
         """A multi-rank run's span of one dtype: (its ranks' parts, the chunk reassembled), or ([], None)."""

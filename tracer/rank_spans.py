@@ -71,7 +71,7 @@ def plan_chunk(names: Sequence[str], pieces_of: Callable[[str], Pieces],
         if k is None or (shard and not 0 <= dim < len(shape)):
             return None
         scale = float(first.get("scale", 1.0))
-        if scale != 1.0 and abs(math.frexp(scale)[0]) != 0.5:   # tracer.logical.scaled: float64
+        if scale != 1.0 and not _power_of_two(scale):   # tracer.logical.scaled: float64
             return None
         n = math.prod(shape)
         outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
@@ -127,17 +127,29 @@ def assemble_chunk(plan: ChunkPlan, spans: Mapping[int, torch.Tensor | None], te
 _EXACT_BY_POWERS_OF_TWO = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
+def _power_of_two(scale: float) -> bool:
+    return abs(math.frexp(scale)[0]) == 0.5
+
+
+def exactly_scaled(t: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`t * scale` in t's dtype where that is exact: a power of two only moves exponents, unless a
+    product lost bits (subnormal) or overflowed, which dividing back detects; None otherwise
+    (tracer.logical.scaled then widens to float64)."""
+    if t.dtype in _EXACT_BY_POWERS_OF_TWO and _power_of_two(scale):
+        out = t * scale
+        if torch.equal(out * (1.0 / scale), t):
+            return out
+    return None
+
+
 def _scaled(out: torch.Tensor, scaled: Sequence[tuple[int, int, float]]) -> bool:
-    """Each scaled tensor's elements times its power-of-two scale, in place, in their own dtype, as
-    tracer.logical.scaled applies it one tensor at a time; False (a lookup per tensor, which widens to
-    float64) where a product is not exact (subnormal, overflow, NaN) or the dtype has no exact powers
-    of two."""
-    if scaled and out.dtype not in _EXACT_BY_POWERS_OF_TWO:
-        return False
+    """Each scaled tensor's elements times its power-of-two scale, in place, as a lookup applies it
+    one tensor at a time (exactly_scaled); False (a lookup per tensor, which widens to float64) where
+    that is not exact."""
     for start, end, scale in scaled:
         piece = out[start:end]
-        up = piece * scale
-        if not torch.equal(up * (1.0 / scale), piece):
+        up = exactly_scaled(piece, scale)
+        if up is None:
             return False
         piece.copy_(up)
     return True
