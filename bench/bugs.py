@@ -9,8 +9,9 @@ Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
   loss shows at   the first training step from which the buggy loss stays away from the clean loss
                   by more than the seed-to-seed spread of clean runs for 10 steps (or "not within N")
   scan flags at   `ttrace scan`'s first step out of the band (report.json scan.first_step), scanning
-                  Bug.first_step + SCAN_AFTER steps, and the culprit its phase-2 rerun names (the
-                  isolation pass's, else the rerun's first divergence) against `expect`
+                  Bug.first_step + SCAN_AFTER steps, or the first divergence of its full check of the
+                  first steps (scan.full_steps; marked "in full"), and the culprit the full check
+                  that decided names (the isolation pass's, else its first divergence) against `expect`
 
 A late bug (Bug.first_step > 0) is checked at its `early` recipe (it acts at step 1 of the 2-step
 check); its loss curves and its scan run at its `late` recipe (Bug.scan_recipe), where it first acts
@@ -92,13 +93,14 @@ def _scans(bugs: list[str], work: Path, extra: list[str]) -> dict[str, dict[str,
 def _scan_fields(name: str, res: Any, steps: int, seconds: float) -> dict[str, Any]:
     bug, rep = CATALOG[name], res.report
     scan = rep.get("scan") or {}
-    rerun = scan.get("rerun") or {}
+    # the full check that named the culprit: the first steps' (a divergence there) or phase 2's rerun
+    rerun = (scan.get("first_steps") if scan.get("flagged_by") == "first_steps" else scan.get("rerun")) or {}
     first = scan.get("first_step")
     c = rep.get("culprit") or {}
     # where the rerun points: its isolation pass's culprit when resolved, else its first divergence
     at = c if c.get("resolved") else rerun.get("first_divergence") or {}
     culprit = f"{at['module']}/{at['kind']}" if at else None
-    fd = rep.get("first_divergence") if first is not None else None   # the fingerprint's, at first_step
+    fd = rep.get("first_divergence") if first is not None else None   # at first_step
     error = res.message if res.verdict == "error" else rerun.get("error")
     if first is not None and rerun.get("verdict") == "pass":
         error = error or "the rerun of the flagged step passed: no culprit"
@@ -107,6 +109,8 @@ def _scan_fields(name: str, res: Any, steps: int, seconds: float) -> dict[str, A
     on_time = first is not None and (first >= bug.first_step or (not bug.is_late and first == -1))
     return {"scan_recipe": " ".join(bug.scan_recipe), "scan_steps": steps, "scan_verdict": res.verdict,
             "scan_first_step": first,            "scan_tensors": len(scan.get("tensors") or []),
+            "scan_flagged_by": scan.get("flagged_by"),
+            "scan_first_steps_verdict": (scan.get("first_steps") or {}).get("verdict"),
             "scan_first_divergence": f"{fd['module']}/{fd['kind']}" if fd else None,
             "scan_rerun_steps": rerun.get("steps"), "scan_rerun_verdict": rerun.get("verdict"),
             "scan_culprit": culprit, "scan_culprit_step": at.get("step", at.get("global_step")),
@@ -215,6 +219,8 @@ def _scan_cell(r: dict[str, Any]) -> tuple[str, str]:
         at = f"**{first}: before it acts**"
     else:
         at = f"{first}" + (f" (**{delay} steps late**)" if delay else "")
+    if r.get("scan_flagged_by") == "first_steps":
+        at = f"{at} in full"
     if acts:
         at = f"{at} (acts from {acts})"
     culprit, error = r.get("scan_culprit"), " ".join(str(r.get("scan_error") or "").split()).replace("|", "/")

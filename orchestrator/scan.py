@@ -6,10 +6,15 @@ per-step fingerprints of the per-step kinds (trace.mode=scan, trace.kinds=param_
 tracer/fingerprint_log.py); every step is judged against that step's band from the perturbed runs
 (tracer/scan_judge.py, the statistics and tolerances of trace.mode=stats). The first step out of the
 band is `first_step`.
+The first steps in full: unless phase 1 flagged one of them, the first `scan.full_steps` steps
+(default 2) are checked in full, as a check does: what fingerprints of grads and params cannot see
+(a bug only in activations, within the grads' noise) is caught there, and a divergence there is
+`first_step`.
 Phase 2: that step rerun in full with the isolation pass, from the reference's state before it
 (orchestrator/scan_rerun.py). One report.json / report.html / MLflow run for the scan.
 
-Exit 0: every step within its band; 1: a step left it; 2: the scan could not run.
+Exit 0: every step within its band and the first steps' full check passed; 1: a step left its band
+or the full check failed; 2: the scan (its full check of the first steps included) could not run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +35,13 @@ from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import commit, share_references
 from orchestrator.report import tracking
-from orchestrator.scan_rerun import rerun
+from orchestrator.scan_rerun import check_first_steps, rerun
 from tracer.errors import ConfigError, TTraceError
 from tracer.fingerprint_log import SCAN_MODE
 from tracer.fingerprint_read import FingerprintRun
 from tracer.scan_judge import ScanJudgement, judge_steps
 from tracer.tolerance import TolerancePolicy
+from tracer.verdicts import Comparison, TensorResult
 
 SCAN_KINDS = ["param_grad", "param", "loss"]   # one record per tensor per step (loss: per microbatch)
 
@@ -108,6 +115,7 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
             raise ConfigError("checkpoint.save: ttrace scan saves the reference's state itself (phase 2); "
                               "run a check with checkpoint.save to keep a final state")
         recipe.validate(rec, base_dir)   # the recipe as a check takes it: exit 2 before anything runs
+        full_steps(rec)
         p.rec = scan_recipe(rec)
         p.report["job"] = {k: v for k, v in recipe.job_of(rec, base_dir).items() if k != "env"}
         root = recipe.resolve_url(rec["store"]["url"], base_dir).rstrip("/")
@@ -184,34 +192,85 @@ def _judge(p: PlannedCheck) -> None:
     except TTraceError as e:
         p.error, p.comparison = str(e), None
         return
-    if j.first_step is not None:
+    first = j.first_step
+    full = full_steps(p.rec)
+    if full and (first is None or first - start >= full):
         t1 = time.perf_counter()
-        rerun(p, j.first_step - start, start)
+        verdict, tensors = check_first_steps(p, start, full)
+        p.report["timings"]["first_steps"] = time.perf_counter() - t1
+        if verdict == "fail":
+            _failed_in_full(p, j, tensors)
+            first = None   # the full check named the first divergence: no phase 2
+        elif verdict == "error" and first is None:
+            p.error, p.comparison = ("the full check of the scan's first steps could not run: "
+                                     f"{p.report['scan']['first_steps'].get('error')}"), None
+            return
+    if first is not None:
+        t1 = time.perf_counter()
+        rerun(p, first - start, start)
         p.report["timings"]["rerun"] = time.perf_counter() - t1
     p.report["scan"]["line"] = _line(p.report["scan"], p.report)
+
+
+def full_steps(rec: dict[str, Any]) -> int:
+    """How many of the scan's first steps are checked in full (scan.full_steps, at most steps)."""
+    n = (rec.get("scan") or {}).get("full_steps", 2)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ConfigError(f"scan.full_steps={n!r}: the number of first steps checked in full, an integer "
+                          ">= 0 (0: fingerprints only)")
+    return min(n, int(rec["steps"]))
+
+
+def _failed_in_full(p: PlannedCheck, j: ScanJudgement, tensors: list[dict[str, Any]]) -> None:
+    """The first steps' full check failed: the scan fails at its first divergence, with its comparison."""
+    scan, fs = p.report["scan"], p.report["scan"]["first_steps"]
+    names = {f.name for f in fields(TensorResult)}
+    results = [TensorResult(**{k: v for k, v in t.items() if k in names}) for t in tensors]
+    fd = next(r for r in results if r.name == fs["first_divergence"]["name"])
+    p.comparison = Comparison("fail", results, fd)
+    p.report.update(p.comparison.to_json())
+    step = int(fs["first_divergence"]["global_step"])
+    scan.update(fingerprint_first_step=scan["first_step"], first_step=step, tensors=fs["failing"],
+                flagged_by="first_steps", loss_gap_at_first_step=_loss_gap(j, step))
 
 
 def scan_section(j: ScanJudgement, start: int, stored: dict[str, int]) -> dict[str, Any]:
     """report.json's `scan`: first_step (global), the tensors that left the band there, the loss gap
     at that step next to the perturbed runs' spread, and a summary of every step."""
     first = next((s for s in j.steps if s.step == j.first_step), None)
-    gap = None
-    if first is not None and first.loss is not None:
-        gap = {**first.loss, "gap": first.loss["candidate"] - first.loss["reference"],
-               "note": "spread: the largest |loss - reference loss| of the R perturbed runs (one ulp of "
-                       "every weight, or GEMM rounding draws), not a seed-to-seed spread"}
-    return {"first_step": j.first_step, "start_step": start, "steps_scanned": len(j.steps),
-            "tensors": [] if first is None else first.failing, "loss_gap_at_first_step": gap,
+    return {"first_step": j.first_step, "flagged_by": None if first is None else "fingerprints",
+            "start_step": start, "steps_scanned": len(j.steps),
+            "tensors": [] if first is None else first.failing,
+            "loss_gap_at_first_step": _loss_gap(j, j.first_step),
             "worst_step": j.worst_step, **stored, "steps": [s.to_json() for s in j.steps]}
+
+
+def _loss_gap(j: ScanJudgement, step: int | None) -> dict[str, Any] | None:
+    """The loss at `step` next to the perturbed runs' spread (None where the scan logged none)."""
+    at = next((s for s in j.steps if s.step == step), None)
+    if at is None or at.loss is None:
+        return None
+    return {**at.loss, "gap": at.loss["candidate"] - at.loss["reference"],
+            "note": "spread: the largest |loss - reference loss| of the R perturbed runs (one ulp of "
+                    "every weight, or GEMM rounding draws), not a seed-to-seed spread"}
 
 
 def _line(scan: dict[str, Any], report: dict[str, Any]) -> str:
     n = scan["steps_scanned"]
     mb = f"{scan['store_bytes'] / 1e6:.2f} MB (fingerprint blocks {scan['fingerprint_bytes'] / 1e6:.2f} MB)"
+    fs = scan.get("first_steps") or {}
+    full = f"; steps {fs['steps']} checked in full: {fs['verdict']}" if fs else ""
     if scan["first_step"] is None:
         worst = max((s["worst"] for s in scan["steps"]), default=0.0)
-        return (f"{n} steps within their bands (worst {worst:.3g} of tolerance, step {scan['worst_step']}); "
-                f"scan store {mb}")
+        return (f"{n} steps within their bands (worst {worst:.3g} of tolerance, step {scan['worst_step']})"
+                f"{full}; scan store {mb}")
+    if scan.get("flagged_by") == "first_steps":
+        fd = fs["first_divergence"]
+        later = scan.get("fingerprint_first_step")
+        prints = ("every step's fingerprints within their bands" if later is None else
+                  f"the fingerprints first out of their band at step {later}")
+        return (f"first divergence at step {scan['first_step']}, in the full check of steps {fs['steps']}: "
+                f"{fd['name']} ({fd['reason']}); {prints}; scan store {mb}")
     gap = scan.get("loss_gap_at_first_step")
     loss = (f"; loss {gap['candidate']:.6g} vs reference {gap['reference']:.6g} (gap {gap['gap']:.3g}, "
             f"perturbed spread {gap['spread']:.3g})" if gap else "")

@@ -1,4 +1,12 @@
-"""Phase 2 of `ttrace scan`: the first step out of the band, F, rerun in full tracing with the isolation
+"""Full checks inside `ttrace scan`: its first steps (scan.full_steps) and phase 2.
+
+The first steps: the scan's first `scan.full_steps` steps (default 2, a check's own) checked in full from
+where the scan starts: every kind, every metric of a check, where the runs still share their
+weights. The fingerprints of the per-step kinds cannot see a bug that shows only in activations
+within their noise (`fp8_amax_unreduced`: each TP shard quantizing with its own scale), which a check
+names at its first GEMM's output.
+
+Phase 2: the first step out of the band, F, rerun in full tracing with the isolation
 pass, from the reference's state before it. The reference alone trains F-1 steps and saves its state
 (checkpoint.save, a single-device job: O(F) compute, one checkpoint on disk whatever N), then a full
 check starts every run from it (init.checkpoint) for 2 steps, F-1 and F: a bug that needs the last
@@ -32,13 +40,30 @@ def rerun_plan(first_local: int) -> tuple[int, int]:
     return first_local - 1, 2
 
 
-def rerun(p: PlannedCheck, first_local: int, start: int) -> None:
+def rerun(p: PlannedCheck, first_local: int, start: int) -> str:
     """Run phase 2 for the scan `p` whose first divergence is at local step `first_local`; writes
-    p.report["scan"]["rerun"] and, when the rerun names one, the culprit and blame window."""
-    rec = copy.deepcopy(p.report["recipe"])   # the user's recipe, paths resolved
+    p.report["scan"]["rerun"] and, when the rerun names one, the culprit and blame window. Returns
+    the rerun's verdict."""
     save_steps, steps = rerun_plan(first_local)
-    out = {"from_step": start + save_steps, "steps": [start + save_steps + i for i in range(steps)]}
-    p.report["scan"]["rerun"] = out
+    return check_steps(p, start, save_steps, steps, "rerun")[0]
+
+
+def check_first_steps(p: PlannedCheck, start: int, steps: int) -> tuple[str, list[dict[str, Any]]]:
+    """The scan's first `steps` steps checked in full from its start (no saved state); writes
+    p.report["scan"]["first_steps"] (and, on a failure, the culprit and blame window). Returns its
+    verdict and, on a failure, its per-tensor results."""
+    return check_steps(p, start, 0, steps, "first_steps")
+
+
+def check_steps(p: PlannedCheck, start: int, save_steps: int, steps: int,
+                key: str) -> tuple[str, list[dict[str, Any]]]:
+    """A full check of `steps` steps after the reference trained `save_steps` (from the scan's start);
+    its summary in p.report["scan"][key], its report in <scan>/<key>/. Returns its verdict and, on a
+    failure, its per-tensor results (report.json's `tensors`)."""
+    rec = copy.deepcopy(p.report["recipe"])   # the user's recipe, paths resolved
+    out: dict[str, Any] = {"from_step": start + save_steps,
+                           "steps": [start + save_steps + i for i in range(steps)]}
+    p.report["scan"][key] = out
     try:
         if save_steps:
             state = p.output_dir / f"state-step{start + save_steps}"
@@ -49,31 +74,35 @@ def rerun(p: PlannedCheck, first_local: int, start: int) -> None:
         rec["trace"] = {**(rec.get("trace") or {}), "mode": "full", "kinds": None}
         rec["tracking"] = {**rec["tracking"], "enabled": False}   # the scan's MLflow run holds it
         rec["localize"] = rec.get("localize", True)
-        res = run_checks([(rec, p.output_dir / "rerun")], p.base_dir)[0]
+        res = run_checks([(rec, p.output_dir / key)], p.base_dir)[0]
     except TTraceError as e:
         out.update(verdict="error", error=str(e))
-        return
+        return "error", []
     rep = res.report
     out.update(verdict=res.verdict, report=str(res.report_path), check_id=rep.get("check_id"))
     if res.verdict == "error":
         out["error"] = res.message
-        return
+        return "error", []
     if res.verdict == "pass":
-        out["note"] = ("the full check of these steps, started from the reference's state, passed: the "
-                       "divergence the scan saw builds up over the candidate's own earlier steps (or "
-                       "lies in what stats cannot show inside one step); no culprit from the rerun")
-        return
+        if key == "rerun":
+            out["note"] = ("the full check of these steps, started from the reference's state, passed: the "
+                           "divergence the scan saw builds up over the candidate's own earlier steps (or "
+                           "lies in what stats cannot show inside one step); no culprit from the rerun")
+        return "pass", []
     fd = dict(rep["first_divergence"])
     fd["global_step"] = out["from_step"] + int(str(fd["name"]).split("/", 1)[0])
     out["first_divergence"] = fd
-    for key in COPIED:
-        if key in rep:
-            p.report[key] = rep[key]
+    out["failing"] = [t["name"] for t in rep["tensors"] if not t["ok"]
+                      and str(t["name"]).split("/", 1)[0] == str(fd["name"]).split("/", 1)[0]]
+    for k in COPIED:
+        if k in rep:
+            p.report[k] = rep[k]
     culprit = p.report.get("culprit")
     if isinstance(culprit, dict) and culprit.get("name"):
         # its name keeps the rerun's local step; `step` (what the summary prints) is the global one
         culprit["local_step"] = int(str(culprit["name"]).split("/", 1)[0])
         culprit["step"] = out["from_step"] + culprit["local_step"]
+    return "fail", rep["tensors"]
 
 
 def _save_state(p: PlannedCheck, rec: dict[str, Any], steps: int, state: Path) -> None:

@@ -159,7 +159,7 @@ class Tolerance:
     k_own: float = 1.5               # one element, GEMM rounding draws: own_err past k_own x its noise
     k_joint: float = 2.0             #   and rowcol_err past k_joint x its noise (k_own 0: off)
     k_band: float = 8.0              # scale band, GEMM rounding draws: k_band x the runs' projections'
-    band_floor: float = 0.1          #   spread, at least band_floor x the norm-wise noise (0: off)
+    band_floor: float = 0.25         #   spread, at least band_floor x the norm-wise noise (0: off)
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
     routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)
@@ -171,6 +171,12 @@ class Fault:
     kind: str = "none"               # none | raise | exit | hang | nan_grad (built-in jobs)
     rank: int = 0
     step: int = 0
+
+
+@dataclass
+class Scan:
+    """`ttrace scan` only (orchestrator/scan.py)."""
+    full_steps: int = 2              # its first steps also checked in full, as a check (0: fingerprints only)
 
 
 @dataclass
@@ -191,6 +197,7 @@ class Recipe:
     fault: Fault = field(default_factory=Fault)
     init: Init = field(default_factory=Init)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    scan: Scan = field(default_factory=Scan)
     steps: int = 2
     seed: int = 1234
     timeout_s: float = 300

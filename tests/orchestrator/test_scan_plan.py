@@ -4,7 +4,7 @@ phase 1 runs, the recipes it refuses, and its per-step report panel and MLflow m
 from orchestrator.recipe import compose
 from orchestrator.report.html import render
 from orchestrator.report.scan_report import metrics
-from orchestrator.scan import _plan, scan_recipe
+from orchestrator.scan import _plan, full_steps, scan_recipe
 from orchestrator.scan_rerun import rerun_plan
 
 
@@ -47,3 +47,11 @@ def test_the_report_draws_each_modules_error_over_steps_and_mlflow_gets_a_point_
     assert [s for n, _, s in got if n == "scan.err_over_tol"] == [0, 1, 2, 3, 4, 5]
     assert {n for n, _, _ in got} == {"scan.err_over_tol", "scan.err_over_tol.param_grad",
                                       "scan.err_over_tol.param", "scan.loss_gap", "scan.loss_spread"}
+
+
+def test_the_first_steps_checked_in_full_default_to_a_checks_two_and_never_exceed_the_scan(tmp_path):
+    assert full_steps(compose(["steps=150"])) == 2
+    assert full_steps(compose(["steps=1"])) == 1
+    assert full_steps(compose(["steps=150", "scan.full_steps=0"])) == 0
+    p = _plan(compose(["parallel=tp2", "scan.full_steps=-1"]), tmp_path / "out", str(tmp_path))
+    assert p.error and "scan.full_steps=-1" in p.error, p.error

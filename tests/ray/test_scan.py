@@ -23,8 +23,8 @@ CASES = [
 ]
 
 
-def scan(workdir, name, *overrides):
-    return run_scan(compose([*CHEAP, *overrides]), workdir / "out" / name, base_dir=str(workdir))
+def scan(workdir, name, *overrides, base=CHEAP):
+    return run_scan(compose([*base, *overrides]), workdir / "out" / name, base_dir=str(workdir))
 
 
 def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, workdir):
@@ -33,6 +33,8 @@ def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, wor
     s = res.report["scan"]
     assert s["first_step"] is None and s["tensors"] == [] and s["loss_gap_at_first_step"] is None
     assert [x["step"] for x in s["steps"]] == [-1, 0, 1, 2, 3, 4, 5] and all(x["ok"] for x in s["steps"])
+    assert s["first_steps"]["verdict"] == "pass" and s["first_steps"]["steps"] == [0, 1], s["first_steps"]
+    assert s["flagged_by"] is None and "checked in full: pass" in s["line"]
     assert all(0 < x["worst"] <= 1 for x in s["steps"][1:])                 # inside the band, not trivially
     assert set(s["steps"][1]["kinds"]) == {"param_grad", "param", "loss"}   # the per-step kinds only
     assert 0 < s["fingerprint_bytes"] < s["store_bytes"]
@@ -57,6 +59,8 @@ def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_clu
     assert s["first_step"] == at, s["line"]
     assert all(x["ok"] for x in s["steps"] if x["step"] < at) and s["tensors"]
     assert s["loss_gap_at_first_step"]["spread"] >= 0
+    assert s["flagged_by"] == "fingerprints"
+    assert s["first_steps"]["verdict"] == "pass", s["first_steps"]   # the steps before it acts, in full
     rerun = s["rerun"]
     assert rerun["verdict"] == "fail" and at in rerun["steps"], rerun
     culprit = res.report["culprit"]
@@ -68,9 +72,33 @@ def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cl
     their initial parameters (step -1) are the reference's. That step's band is zero (the candidate's
     initial parameters are held to the floor), and every later step must have moved (before this, a
     bf16 or fp8 scan always ended in 'the perturbation did not apply')."""
-    res = scan(workdir, "bf16", "steps=2", "precision=bf16", "parallel=tp2", "tracking.enabled=false")
+    res = scan(workdir, "bf16", "steps=2", "precision=bf16", "parallel=tp2", "tracking.enabled=false",
+               "scan.full_steps=0")   # the fingerprints alone
     assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
+    assert "first_steps" not in res.report["scan"]
     steps = res.report["scan"]["steps"]
     assert [x["step"] for x in steps] == [-1, 0, 1] and all(x["ok"] for x in steps)
     # step -1: the same initial weights, off only by the float64 rounding of combining shard statistics
     assert steps[0]["worst"] < 1e-3 and all(x["worst"] > 1e-3 for x in steps[1:])
+
+
+def test_an_fp8_scan_checks_its_first_steps_in_full_where_fingerprints_miss_the_unreduced_amax(
+        ray_cluster, workdir):
+    """FP8 amax not reduced over TP (each weight shard quantized with its own scale) moves the grads and
+    params about as much as fp8's own noise: on the 4-layer model the fingerprints alone
+    (scan.full_steps=0) pass it (on 2 or 3 layers they flag step 1, at 1.6-1.8x a bias grad's band).
+    The full check of the first steps (the default) names the first FP8 GEMM's output at step 0, and
+    the scan fails there."""
+    common = ("parallel=tp2", "precision=fp8", "tolerance.perturbations=2",
+              "bug=fp8_amax_unreduced", "steps=2", "tracking.enabled=false")
+    blind = scan(workdir, "fingerprints", "scan.full_steps=0", base=common)
+    assert blind.verdict == "pass", blind.message or blind.report["scan"]["line"]
+    res = scan(workdir, "full", base=common)
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    s = res.report["scan"]
+    assert s["flagged_by"] == "first_steps" and s["first_step"] == 0 and s["fingerprint_first_step"] is None
+    fd = res.report["first_divergence"]
+    assert fd["name"] == "0/0/layers.0.attn.qkv/output", fd
+    assert "0/0/layers.0.attn.qkv/output" in s["tensors"] and "rerun" not in s
+    assert res.report["culprit"]["module"] == "layers.0.attn.qkv" and res.report["culprit"]["step"] == 0
+    assert "in the full check of steps [0, 1]" in s["line"]
