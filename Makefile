@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml
 	# where it cannot install (an index only pip knows), pip does.
 	$(BIN)/pip install --quiet uv==0.13.9 && $(BIN)/uv pip install --quiet --compile-bytecode \
 	    --python $(BIN)/python -e '.[dev,megatron,hf]' || $(BIN)/pip install --quiet -e '.[dev,megatron,hf]'
-	# The compiled kernels (numba), compiled once here into tracer/kernels/__pycache__/ttrace-kernels-<digest of their sources>.
+	# The compiled kernels (numba), compiled once here into tracer/kernels/__pycache__/ttrace-kernels-<digest of their
+	# sources> (those of earlier sources removed).
 	$(BIN)/python -c "from tracer import kernels; kernels.warm_up()"
 	touch $(STAMP)
 

@@ -57,10 +57,28 @@ finally:
 __all__ = ["candidate", "excusal", "reference_side", "warm_up"]
 
 
+def prune_stale_caches() -> list[Path]:
+    """Remove the compiled kernels of earlier sources (other `ttrace-kernels-*` directories, and the
+    per-file cache numba kept beside them before those existed): each edit of a kernel left ~3 MB
+    behind. Returns what it removed."""
+    import shutil
+
+    current = Path(_cache_dir())
+    stale = [d for d in current.parent.glob("ttrace-kernels-*") if d != current]
+    stale += [f for pattern in ("*.nbi", "*.nbc") for f in current.parent.glob(pattern)]
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
+
+
 def warm_up() -> None:
     """Load (or compile) every kernel now, for float32 and float64 data: a fresh process pays it once,
     here rather than inside its first comparison (orchestrator/prefetch.py calls it while a check's
-    jobs run; `make setup` once, to compile them into the cache)."""
+    jobs run; `make setup` once, to compile them into the cache). The stale caches go first."""
+    prune_stale_caches()
     gather.warm_up()
     one, zero, none, at = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0), np.uint64(0)
     offsets = np.zeros(2, np.int64)
