@@ -23,7 +23,9 @@
   on a warm cluster, before (that comparison) and after, same run. check_latency.command: the same
   for a user's script (a command job), each rank a fresh interpreter (before) or forked warm (after).
 - end-to-end latency of the demo check (default recipe, MLflow on, cold reference cache) by stage.
-Exits 1 when a goal is missed (an --only run: a goal of what it measured).
+Exits 1 when a goal is missed (an --only run: a goal of what it measured). An --only run adds its
+sections to the existing perf.json: `measured` says, per section, the date, commit and machine of
+the run that measured it.
 
 Usage: python bench/perf.py [--steps 6] [--skip-e2e] [--only-tracer-overhead [--rounds 3]]
        [--only-compare [--scales 1x,16x] [--compare-rounds 3] [--compare-before COMMIT]]
@@ -659,6 +661,26 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _stamp() -> dict[str, str]:
+    """When, at which commit and on what a section was measured: an --only run adds its sections to an
+    existing perf.json, so each section says which run it comes from."""
+    import platform
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": git("rev-parse", "--short", "HEAD") + dirty,
+            "machine": f"{model}, {mp.cpu_count()} cpus"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
@@ -683,27 +705,34 @@ def main() -> None:
     if only and OUT.exists():
         result = json.loads(OUT.read_text())
         result.pop("e2e_error", None)
+    stamp = _stamp()
+    result["measured"] = {**result.get("measured", {}), "last_run": stamp}
     with tempfile.TemporaryDirectory(prefix="ttrace-perf-") as d:
         tmp = Path(d)
         if not only or args.only_tracer_overhead:
             result["tracer_overhead"] = tracer_overhead(args.steps, args.rounds, tmp)
+            result["measured"]["tracer_overhead"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only:
             result["overhead"] = overhead(args.steps, tmp)
+            result["measured"]["overhead"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))   # partial results survive a failure
         if not only or args.only_compare:
             result["scaling"] = compare_scaling(tmp, scales, args.compare_rounds, args.compare_before)
             result["compare"] = compare_summary(result["scaling"])
+            result["measured"]["compare"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only or args.only_check_latency:
             try:
                 result["check_latency"] = check_latency(tmp)
             except Exception as e:   # e.g. Ray failing to start on an overloaded machine
                 result["check_latency"] = {"error": f"{type(e).__name__}: {e}", "missed": ["check_latency"]}
+            result["measured"]["check_latency"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if (not only and not args.skip_e2e) or args.only_e2e:
             try:
                 result["e2e"] = end_to_end(tmp)
+                result["measured"]["e2e"] = stamp
             except Exception as e:   # e.g. Ray failing to start on an overloaded machine
                 result["e2e_error"] = f"{type(e).__name__}: {e}"
     OUT.write_text(json.dumps(result, indent=1, default=str))
