@@ -9,8 +9,9 @@ Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
   loss shows at   the first training step from which the buggy loss stays away from the clean loss
                   by more than the seed-to-seed spread of clean runs for 10 steps (or "not within N")
   scan flags at   `ttrace scan`'s first step out of the band (report.json scan.first_step), scanning
-                  Bug.first_step + SCAN_AFTER steps, or the first divergence of its full check of the
-                  first steps (scan.full_steps; marked "in full"), and the culprit the full check
+                  Bug.first_step + SCAN_AFTER steps, or the first divergence of a full check of it
+                  where that is earlier (its first steps', scan.full_steps, or its phase-2 rerun's,
+                  which checks the step before too; marked "in full"), and the culprit the full check
                   that decided names (the isolation pass's, else its first divergence) against `expect`
 
 A late bug (Bug.first_step > 0) is checked at its `early` recipe (it acts at step 1 of the 2-step
@@ -219,8 +220,8 @@ def _scan_cell(r: dict[str, Any]) -> tuple[str, str]:
         at = f"**{first}: before it acts**"
     else:
         at = f"{first}" + (f" (**{delay} steps late**)" if delay else "")
-    if r.get("scan_flagged_by") == "first_steps":
-        at = f"{at} in full"
+    if r.get("scan_flagged_by") in ("first_steps", "rerun"):
+        at = f"{at} in full"   # a full check of the scan saw it before the fingerprints
     if acts:
         at = f"{at} (acts from {acts})"
     culprit, error = r.get("scan_culprit"), " ".join(str(r.get("scan_error") or "").split()).replace("|", "/")

@@ -199,7 +199,7 @@ def _judge(p: PlannedCheck) -> None:
         verdict, tensors = check_first_steps(p, start, full)
         p.report["timings"]["first_steps"] = time.perf_counter() - t1
         if verdict == "fail":
-            _failed_in_full(p, j, tensors)
+            _failed_in_full(p, j, tensors, "first_steps")
             first = None   # the full check named the first divergence: no phase 2
         elif verdict == "error" and first is None:
             p.error, p.comparison = ("the full check of the scan's first steps could not run: "
@@ -207,8 +207,12 @@ def _judge(p: PlannedCheck) -> None:
             return
     if first is not None:
         t1 = time.perf_counter()
-        rerun(p, first - start, start)
+        verdict, tensors = rerun(p, first - start, start)
         p.report["timings"]["rerun"] = time.perf_counter() - t1
+        fd = p.report["scan"]["rerun"].get("first_divergence")
+        if verdict == "fail" and fd and fd["global_step"] < first:
+            # the full check saw it a step before the fingerprints did (it reruns step F-1 too)
+            _failed_in_full(p, j, tensors, "rerun")
     p.report["scan"]["line"] = _line(p.report["scan"], p.report)
 
 
@@ -221,9 +225,10 @@ def full_steps(rec: dict[str, Any]) -> int:
     return min(n, int(rec["steps"]))
 
 
-def _failed_in_full(p: PlannedCheck, j: ScanJudgement, tensors: list[dict[str, Any]]) -> None:
-    """The first steps' full check failed: the scan fails at its first divergence, with its comparison."""
-    scan, fs = p.report["scan"], p.report["scan"]["first_steps"]
+def _failed_in_full(p: PlannedCheck, j: ScanJudgement, tensors: list[dict[str, Any]], key: str) -> None:
+    """A full check of the scan (its first steps', or phase 2's rerun) failed before any step the
+    fingerprints flagged: the scan fails at its first divergence, with its comparison."""
+    scan, fs = p.report["scan"], p.report["scan"][key]
     names = {f.name for f in fields(TensorResult)}
     results = [TensorResult(**{k: v for k, v in t.items() if k in names}) for t in tensors]
     fd = next(r for r in results if r.name == fs["first_divergence"]["name"])
@@ -231,7 +236,7 @@ def _failed_in_full(p: PlannedCheck, j: ScanJudgement, tensors: list[dict[str, A
     p.report.update(p.comparison.to_json())
     step = int(fs["first_divergence"]["global_step"])
     scan.update(fingerprint_first_step=scan["first_step"], first_step=step, tensors=fs["failing"],
-                flagged_by="first_steps", loss_gap_at_first_step=_loss_gap(j, step))
+                flagged_by=key, loss_gap_at_first_step=_loss_gap(j, step))
 
 
 def scan_section(j: ScanJudgement, start: int, stored: dict[str, int]) -> dict[str, Any]:
@@ -264,13 +269,15 @@ def _line(scan: dict[str, Any], report: dict[str, Any]) -> str:
         worst = max((s["worst"] for s in scan["steps"]), default=0.0)
         return (f"{n} steps within their bands (worst {worst:.3g} of tolerance, step {scan['worst_step']})"
                 f"{full}; scan store {mb}")
-    if scan.get("flagged_by") == "first_steps":
-        fd = fs["first_divergence"]
+    by = scan.get("flagged_by")
+    if by in ("first_steps", "rerun"):
+        full_check = scan[by]
+        fd = full_check["first_divergence"]
         later = scan.get("fingerprint_first_step")
         prints = ("every step's fingerprints within their bands" if later is None else
                   f"the fingerprints first out of their band at step {later}")
-        return (f"first divergence at step {scan['first_step']}, in the full check of steps {fs['steps']}: "
-                f"{fd['name']} ({fd['reason']}); {prints}; scan store {mb}")
+        return (f"first divergence at step {scan['first_step']}, in the full check of steps "
+                f"{full_check['steps']}: {fd['name']} ({fd['reason']}); {prints}; scan store {mb}")
     gap = scan.get("loss_gap_at_first_step")
     loss = (f"; loss {gap['candidate']:.6g} vs reference {gap['reference']:.6g} (gap {gap['gap']:.3g}, "
             f"perturbed spread {gap['spread']:.3g})" if gap else "")

@@ -40,12 +40,12 @@ def rerun_plan(first_local: int) -> tuple[int, int]:
     return first_local - 1, 2
 
 
-def rerun(p: PlannedCheck, first_local: int, start: int) -> str:
+def rerun(p: PlannedCheck, first_local: int, start: int) -> tuple[str, list[dict[str, Any]]]:
     """Run phase 2 for the scan `p` whose first divergence is at local step `first_local`; writes
     p.report["scan"]["rerun"] and, when the rerun names one, the culprit and blame window. Returns
-    the rerun's verdict."""
+    the rerun's verdict and, on a failure, its per-tensor results."""
     save_steps, steps = rerun_plan(first_local)
-    return check_steps(p, start, save_steps, steps, "rerun")[0]
+    return check_steps(p, start, save_steps, steps, "rerun")
 
 
 def check_first_steps(p: PlannedCheck, start: int, steps: int) -> tuple[str, list[dict[str, Any]]]:

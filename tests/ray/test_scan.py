@@ -102,3 +102,22 @@ def test_an_fp8_scan_checks_its_first_steps_in_full_where_fingerprints_miss_the_
     assert "0/0/layers.0.attn.qkv/output" in s["tensors"] and "rerun" not in s
     assert res.report["culprit"]["module"] == "layers.0.attn.qkv" and res.report["culprit"]["step"] == 0
     assert "in the full check of steps [0, 1]" in s["line"] and "html_error" not in res.report
+
+
+def test_a_rerun_that_sees_the_bug_a_step_before_the_fingerprints_moves_the_first_step_there(
+        ray_cluster, workdir):
+    """ZeRO-1 gathering the updated shards from the wrong offsets permutes the params after step 0:
+    the same multiset of values, which the fingerprints' statistics cannot see (docs/stats_mode.md),
+    so they flag step 1, through its grads. Phase 2 reruns steps 0 and 1 in full and names step 0's
+    params: the scan's first step is 0 (flagged_by: rerun), the fingerprints' own step kept beside."""
+    res = scan(workdir, "zero1", "steps=3", "scan.full_steps=0", "tracking.enabled=false",
+               base=("model=llama_tiny", "parallel=dp2_zero1", "tolerance.perturbations=2",
+                     "bug=zero1_gather_offset_wrong"))
+    assert res.verdict == "fail", res.message
+    s = res.report["scan"]
+    assert s["fingerprint_first_step"] == 1 and s["first_step"] == 0 and s["flagged_by"] == "rerun", s["line"]
+    assert s["rerun"]["steps"] == [0, 1] and s["rerun"]["first_divergence"]["global_step"] == 0
+    fd = res.report["first_divergence"]
+    assert fd["name"] == "0/-/embedding.word.weight/param", fd
+    assert res.report["culprit"]["module"] == "embedding.word" and res.report["culprit"]["step"] == 0
+    assert "in the full check of steps [0, 1]" in s["line"] and "out of their band at step 1" in s["line"]
