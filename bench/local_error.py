@@ -34,14 +34,21 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.check import run_checks  # noqa: E402
 from orchestrator.recipe import compose  # noqa: E402
+from tracer.local_verdict import local_errors  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
-from tracer.tolerance import unit_roundoff  # noqa: E402
+from tracer.tolerance import own_err, unit_roundoff  # noqa: E402
 
 KINDS = ("output", "grad_output", "param_grad")   # post-step params carry Adam's own amplification
 CASES = ("gpt_tiny:tp2", "gpt_tiny:tp2_sp", "gpt_tiny:dp2", "gpt_tiny:cp2", "gpt_tiny:pp2",
          "gpt_tiny:tp2_dp2", "llama_tiny:tp2_sp", "llama_tiny:cp2", "llama_tiny:dp2_zero1",
-         "llama_tiny:pp2_vpp2", "llama_tiny_kv2:tp2", "moe_tiny:ep2", "moe_tiny:ep2_tp2")
+         "llama_tiny:pp2_vpp2", "llama_tiny_kv2:tp2", "moe_tiny:ep2", "moe_tiny:ep2_tp2",
+         "gpt_tiny:tp2_pp2_dp2", "llama_tiny:tp2_sp_pp2_dp2_zero1")   # the last two: 8 ranks
 MIN_NUMEL = 64
+K_LOCAL = 6.0   # the local verdict's tolerance the probes are judged at (docs/tolerance.md)
+PROBES = ("0/1/layers.1.mlp.fc1/output", "0/1/layers.1.mlp.fc1/grad_output",
+          "0/-/layers.1.mlp.fc1.weight/param_grad")   # the corruption study's (bench/tolerance.py)
+DELTAS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.5,
+          0.7, 1.0)
 
 
 def tensor_figures(r: torch.Tensor, x: torch.Tensor, u: float) -> dict[str, float]:
@@ -71,6 +78,10 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
     pert = load_logical(report["reference"]["url"], "perturbed-1", 1)
     cand = load_logical(report["store"], "candidate", world)
     iso = load_logical(report["store"], "isolated", world)
+    precision = report["recipe"]["precision"]["name"]
+    floor = 2.0**-8 if precision in ("bf16", "fp8") else 0.0
+    local_err = local_errors(ref, iso, floor)        # the local verdict's own figure (own_err)
+    propagated_err = local_errors(ref, cand, floor)  # the same figure of the candidate as it ran
     rows = []
     for name in ref.order:
         info = ref.info[name]
@@ -86,7 +97,27 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
                      "propagated": tensor_figures(r, cand.tensors[name].tensor, u),
                      "local": tensor_figures(r, iso.tensors[name].tensor, u),
                      "perturbed": tensor_figures(r, pert.tensors[name].tensor, u)})
-    return {"tensors": rows, "summary": summary(rows)}
+        if name in local_err:
+            rows[-1]["local"]["own"] = local_err[name]
+            rows[-1]["propagated"]["own"] = propagated_err[name]
+    probes = {name: probe(ref.tensors[name].tensor, iso.tensors[name].tensor,
+                          max(unit(ref.tensors[name].tensor.dtype, precision), floor))
+              for name in PROBES if name in local_err}
+    return {"tensors": rows, "summary": summary(rows), "probes": probes}
+
+
+def probe(r: torch.Tensor, x: torch.Tensor, u: float) -> float | None:
+    """The smallest DELTAS entry by which one element of median magnitude of the isolated tensor,
+    scaled (1 + delta) in its dtype, puts the tensor past K_LOCAL (None: not within 100%)."""
+    flat = x.flatten().clone()
+    mag = flat.double().abs()
+    i = int((mag - mag.median()).abs().argmin())
+    for delta in DELTAS:
+        moved = flat.clone()
+        moved[i] = (moved[i].double() * (1 + delta)).to(moved.dtype)
+        if own_err(moved.view(r.shape).double() - r.double(), r, u) > K_LOCAL:
+            return delta
+    return None
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,6 +128,11 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         entry: dict[str, Any] = {"tensors": len(of)}
         matrices = [r for r in of if r["matrix"]]
+        judged = [r for r in of if "own" in r["local"]]
+        if judged:
+            worst = max(judged, key=lambda r: r["local"]["own"])
+            entry["local_err"] = {"max": worst["local"]["own"], "at": worst["name"],
+                                  "propagated_max": max(r["propagated"]["own"] for r in judged)}
         for view in ("propagated", "local", "perturbed"):
             worst = max(of, key=lambda r: r[view]["ulps"])
             entry[view] = {"max_ulps": worst[view]["ulps"], "at": worst["name"],
@@ -114,12 +150,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     lines = ["| precision | case | kind | tensors | propagated: max ulps / largest median-element dev "
              "(matrices) | local (isolated): max ulps / largest median-element dev / tensors exact | local, "
-             "matrices only: max ulps / largest median-element dev | worst local matrix |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "matrices only: max ulps / largest median-element dev | worst local matrix | local_err max "
+             "(as run) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, res in results.items():
         prec, case = key.split("/")
         if "error" in res:
-            lines.append(f"| {prec} | {case} | - | - | error: {res['error'][:80]} | | | |")
+            lines.append(f"| {prec} | {case} | - | - | error: {res['error'][:80]} | | | | |")
             continue
         for kind, e in res["summary"].items():
             p, loc = e["propagated"], e["local"]
@@ -129,7 +166,8 @@ def table(results: dict[str, Any]) -> str:
                          f"{p['max_median_rel']:.3g} ({pm.get('max_median_rel', nan):.3g}) | "
                          f"{loc['max_ulps']:.3g} / {loc['max_median_rel']:.3g} / {loc['exact_tensors']} | "
                          f"{lm.get('max_ulps', nan):.3g} / {lm.get('max_median_rel', nan):.3g} | "
-                         f"{lm.get('at', '-')} |")
+                         f"{lm.get('at', '-')} | {e.get('local_err', {}).get('max', nan):.3g} "
+                         f"({e.get('local_err', {}).get('propagated_max', nan):.3g}) |")
     return "\n".join(lines)
 
 
@@ -160,12 +198,38 @@ def main() -> int:
             results[key] = {"error": f"verdict {res.verdict}: {res.message or rep.get('localization_error')}"}
             continue
         results[key] = {"check": str(res.report_path), **measure(rep)}
+    verdict = local_verdict_summary(results)
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "seed": args.seed, "seconds": time.perf_counter() - t0,
-           "unit": "u * (|r_i| + rms(r)), u the dtype's unit roundoff", "results": results}
+           "unit": "u * (|r_i| + rms(r)), u the dtype's unit roundoff", "local_verdict": verdict,
+           "results": results}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(results))
+    print(f"\nlocal verdict at k_local={K_LOCAL:g} (bf16, fp8): {json.dumps(verdict)}")
     print(f"\nwrote {args.out}")
-    return 1 if any("error" in r for r in results.values()) else 0
+    return 1 if any("error" in r for r in results.values()) or verdict["false_positives"] else 0
+
+
+def local_verdict_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """Per precision (bf16, fp8: where the local verdict applies): the largest honest local_err (a
+    tensor past K_LOCAL is a false positive of `tolerance.k_local=K_LOCAL`) and the smallest single
+    element each probe tensor shows (bench exit 1 on a false positive)."""
+    out: dict[str, Any] = {"k_local": K_LOCAL, "false_positives": []}
+    for key, res in results.items():
+        prec = key.split("/")[0]
+        if prec not in ("bf16", "fp8") or "error" in res:
+            continue
+        for t in res["tensors"]:
+            err = t["local"].get("own")
+            if err is None:
+                continue
+            at = out.setdefault(prec, {"honest_max": 0.0, "at": None, "probes": {}})
+            if err > at["honest_max"]:
+                at["honest_max"], at["at"] = err, f"{key} {t['name']}"
+            if not err <= K_LOCAL:
+                out["false_positives"].append(f"{key} {t['name']}: {err:.3g}")
+        for name, delta in res.get("probes", {}).items():
+            out[prec]["probes"].setdefault(name, []).append(delta)
+    return out
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """The isolation pass of failed checks (`localize: true`): each candidate rerun with every module fed
 the reference's tensors (tracer/isolation.py), all on the cluster together; its comparison names the
-culprit and the blame window. A failure here leaves the verdict standing."""
+culprit and the blame window. A failure here leaves the verdict standing, except where the local
+elementwise verdict (tolerance.k_local > 0: the pass runs on every check and judges single elements,
+tracer/local_verdict.py) was asked for: a pass it could not confirm is an error."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from orchestrator import cluster, recipe
 from orchestrator.outcome import PlannedCheck, keep_logs
@@ -13,16 +16,20 @@ from orchestrator.rank_logs import log_dir
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.isolation import name_culprit
+from tracer.local_verdict import k_local, local_errors, reason
 from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
+from tracer.verdicts import Comparison
 
 
 def wants_isolation(p: PlannedCheck) -> bool:
     """`localize: true` (default): on a failed check; `always`: also on a pass (a self-check of the
-    isolation pass, which must then flag nothing); `false`: never."""
+    isolation pass, which must then flag nothing); `false`: never. tolerance.k_local > 0: on every
+    check (the local verdict judges it)."""
     mode = p.rec.get("localize", True)
     assert p.comparison is not None
-    wanted = mode == "always" or (mode is True and p.comparison.verdict == "fail")
+    wanted = (mode == "always" or k_local(p.rec) > 0
+              or (mode is True and p.comparison.verdict == "fail"))
     if wanted and ((p.rec.get("trace") or {}).get("mode") or "full") == "stats":
         p.report["localization_error"] = ("no isolation pass: trace.mode=stats stores no tensor values to "
                                           "feed the isolated run; rerun with trace.mode=full to name the "
@@ -64,6 +71,7 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
     except TTraceError as e:
         for p in plans:
             p.report["localization_error"] = str(e)
+            _unjudged(p, str(e))
         return
     wall = time.perf_counter() - t0
     for p, job in zip(plans, jobs, strict=True):
@@ -77,6 +85,8 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
             reference, perturbed = p.loaded
             policy = TolerancePolicy.from_config(p.rec["tolerance"])
             local = compare(reference, isolated, perturbed, policy)
+            if k_local(p.rec) > 0:
+                _judge_locally(p, reference, isolated)
             if p.comparison.verdict == "fail":
                 p.report.update(name_culprit(p.comparison, local))
             p.report["isolation"] = {"flagged": sum(not r.ok for r in local.results), "run": "isolated",
@@ -86,5 +96,37 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
                                                if not r.ok}}
         except TTraceError as e:
             p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
+            _unjudged(p, str(e))
         finally:
             p.loaded = None
+
+
+def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
+    """The local elementwise verdict (tracer/local_verdict.py) joins the check's: a tensor past
+    k_local fails, and the first failing tensor in execution order is the first divergence."""
+    assert p.comparison is not None
+    k = k_local(p.rec)
+    errs = local_errors(reference, isolated, 2.0**-8)   # bf16 and fp8 runs only (check_local)
+    by_name = {r.name: r for r in p.comparison.results}
+    for name, err in errs.items():
+        r = by_name.get(name)
+        if r is None:
+            continue
+        r.local_err, r.local_tolerance = err, k
+        if not err <= k and r.ok:
+            r.ok, r.reason = False, reason(err, k)
+    bad = [r for r in p.comparison.results if not r.ok]
+    if bad:
+        p.comparison = Comparison("fail", p.comparison.results, min(bad, key=lambda r: r.index))
+    p.report.update(p.comparison.to_json())
+    worst = max(errs, key=errs.__getitem__, default=None)
+    p.report["local"] = {"k_local": k, "judged": len(errs), "failed": sum(not e <= k for e in errs.values()),
+                         "worst": None if worst is None else {"name": worst, "local_err": errs[worst]}}
+
+
+def _unjudged(p: PlannedCheck, why: str) -> None:
+    """A check whose local verdict was asked for (tolerance.k_local) and not reached is an error, never a
+    pass on partial judgement; a check that failed already keeps its verdict."""
+    if k_local(p.rec) > 0 and p.comparison is not None and p.comparison.verdict == "pass":
+        p.error = f"the local elementwise verdict (tolerance.k_local) could not run: {why}"
+        p.comparison = None

@@ -24,6 +24,7 @@ from orchestrator.layouts import (  # noqa: F401  (recipe.RECIPES, ...)
     microbatches_differ,
 )
 from tracer.errors import ConfigError
+from tracer.local_verdict import check_local
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
@@ -201,6 +202,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     from tracer.tolerance import TolerancePolicy
 
     TolerancePolicy.from_config(tol)
+    check_local(recipe, microbatches_differ(recipe))
     from tracer.stats import MODES
 
     mode = (recipe.get("trace") or {}).get("mode") or "full"

@@ -107,20 +107,26 @@ def test_the_culprit_is_the_first_module_beyond_tolerance_on_its_own_and_the_ori
 @pytest.fixture(scope="module")
 def adam_check(ray_cluster, tmp_path_factory):
     """A clean bf16 tp2 check of gpt_tiny, 2 steps of Adam, its stored runs read back. In bf16 the
-    excusal matters most: 35-61% of the parameter elements had been excused unconditionally."""
+    excusal matters most: 35-61% of the parameter elements had been excused unconditionally. It
+    asks for the local elementwise verdict (tolerance.k_local=6), so its isolation pass ran and
+    judged too (`isolated`), and the honest check passed that as well."""
     from orchestrator.check import run_check
     from orchestrator.recipe import compose
 
     work = tmp_path_factory.mktemp("excusal")
     rec = compose(["parallel=tp2", "precision=bf16", "model.layers=2", "tracking.enabled=false",
-                   "localize=false", f"cluster.address={ray_cluster}"])
+                   "tolerance.k_local=6", f"cluster.address={ray_cluster}"])
     res = run_check(rec, work / "out", base_dir=str(work))
     assert res.verdict == "pass", res.report.get("first_divergence") or res.message
+    local = res.report["local"]
+    assert local["judged"] > 20 and local["failed"] == 0 and 0 < local["worst"]["local_err"] < 6, local
     url = res.report["reference"]["url"]
     load = lambda root, run, n: load_logical(root, run, n)
     ref = load(url, "reference", 1)
     pert = [load(url, f"perturbed-{r}", 1) for r in (1, 2, 3)]
-    return ref, pert, lambda: load(res.report["store"], "candidate", 2)
+    candidate = lambda: load(res.report["store"], "candidate", 2)
+    candidate.isolated = lambda: load(res.report["store"], "isolated", 2)
+    return ref, pert, candidate
 
 
 def _near_zero_grads(ref, pert) -> dict[str, torch.Tensor]:
@@ -308,3 +314,41 @@ def test_a_scalar_is_judged_by_its_norm_not_its_microbatchs_envelope(tmp_path):
         r = next(x for x in compare(ref, cand, pert, TolerancePolicy()).results if x.name == name)
         assert r.tolerance == tol and r.elem_err > 4, r
         assert r.ok == ok and (ok or r.reason.startswith("rel_err")), r
+
+
+def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_check_as_run_passes(
+        adam_check):
+    """One median element moved 8% (an activation, an activation grad, a weight grad): within every
+    rule of the comparison as the candidate ran (honest elements there are already 5-9% off), but
+    the same element in the isolation pass, where each module is fed the reference's tensors and
+    these tensors are bit-identical when honest, is past k_local = 6 of the module's own noise
+    (tracer/local_verdict.py); 0.5% (about one bf16 rounding) is not."""
+    from orchestrator.isolation_pass import _judge_locally
+    from orchestrator.outcome import PlannedCheck
+    from orchestrator.recipe import compose
+    from tracer.local_verdict import local_errors
+
+    ref, pert, candidate = adam_check
+    honest = local_errors(ref, candidate.isolated(), 2.0**-8)
+    assert honest and max(honest.values()) < 6
+    for name in ("0/1/layers.1.mlp.fc1/output", "0/1/layers.1.mlp.fc1/grad_output",
+                 "0/-/layers.1.mlp.fc1.weight/param_grad"):
+        assert honest[name] == 0.0   # column-parallel: bit-identical to the reference, fed its inputs
+        mag = ref.tensors[name].tensor.view(-1).float().abs()
+        i = int((mag - mag.median()).abs().argmin())   # an element of median size
+        for delta, fails in ((0.08, True), (0.005, False)):
+            cand, iso = candidate(), candidate.isolated()
+            for trace in (cand, iso):   # a bug acts in both runs
+                flat = trace.tensors[name].tensor.view(-1)
+                flat[i] = (flat[i].double() * (1 + delta)).to(flat.dtype)
+            assert (local_errors(ref, iso, 2.0**-8)[name] > 6) == fails, (name, delta)
+            if delta == 0.08:   # the check's own path: the local verdict turns its pass into a fail
+                as_run = compare(ref, cand, pert, TolerancePolicy())
+                assert as_run.verdict == "pass", name
+                p = PlannedCheck(compose(["parallel=tp2", "precision=bf16", "tolerance.k_local=6"]),
+                                 Path("."), "c", {}, 0.0)
+                p.comparison = as_run
+                _judge_locally(p, ref, iso)
+                fd = p.comparison.first_divergence
+                assert p.comparison.verdict == "fail" and fd.name == name and fd.reason.startswith("local:")
+                assert p.report["local"]["failed"] == 1 and fd.local_err > fd.local_tolerance == 6

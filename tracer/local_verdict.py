@@ -1,0 +1,81 @@
+"""The local elementwise verdict (`tolerance.k_local > 0`): single elements judged where each module is
+fed the reference's tensors (the isolation pass, tracer/isolation.py), not as the candidate ran.
+
+As the candidate ran, every tensor carries noise from all the modules before it: in bf16 an honest
+tp2 candidate's elements of median size at layer 1 are already 5-9% off the reference (30-123% in
+fp8), which no elementwise test can tell from one element moved 10% (docs/tolerance.md, "Single
+elements"). Fed the reference's tensors, a module's output, input grad and weight grad carry only
+its own rounding: bit-identical for most (column-parallel GEMMs), a few roundings where a layout
+adds partial sums. Each element is read in units of a row-column noise fitted to the isolated run's
+own deviation, itself left out (`own_err`), plus one rounding of the element and of the tensor's
+rms (u the tensor dtype's unit roundoff, at least `unit_floor`: bf16's in bf16 and fp8 runs, whose
+fp32 main grads add up bf16 partial grads). A tensor fails when that exceeds k_local.
+
+Judged: the first traced step's outputs, output grads and param grads with a row-column view (at
+least 8 x 8), as the row-column metric is. Calibration: `bench/local_error.py` (docs/tolerance.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tracer.errors import ConfigError
+from tracer.tolerance import own_err, rowcol_shape, unit_roundoff
+
+LOCAL_KINDS = ("output", "grad_output", "param_grad")
+
+
+def local_errors(reference: Any, isolated: Any, unit_floor: float) -> dict[str, float]:
+    """{tensor name: own_err of isolated - reference} for every judged tensor (module doc); a
+    non-finite isolated value reads as inf."""
+    # the first step with module tensors (initial params are traced at step -1)
+    first = min((reference.info[n]["step"] for n in reference.order
+                 if reference.info[n]["kind"] in LOCAL_KINDS), default=0)
+    out: dict[str, float] = {}
+    for name in reference.order:
+        info = reference.info[name]
+        if info["step"] != first or info["kind"] not in LOCAL_KINDS:
+            continue
+        if rowcol_shape(reference.shape(name), info["kind"]) is None:
+            continue
+        r = reference.tensors[name].tensor
+        x = isolated.tensors[name].tensor
+        u = max(unit_roundoff(r.dtype), unit_floor)
+        out[name] = (own_err(x.double() - r.double(), r, u) if bool(torch.isfinite(x).all())
+                     else math.inf)
+    return out
+
+
+def reason(err: float, k_local: float) -> str:
+    return (f"local: fed the reference's tensors, an element is {err:.3g} of the module's own noise "
+            f"(tolerance {k_local:g})")
+
+
+def k_local(rec: dict[str, Any]) -> float:
+    """tolerance.k_local (0: the local elementwise verdict is off)."""
+    return float((rec.get("tolerance") or {}).get("k_local", 0.0) or 0.0)
+
+
+def check_local(rec: dict[str, Any], microbatches_differ: bool) -> None:
+    """ConfigError for a recipe whose local verdict (tolerance.k_local > 0) cannot be reached
+    (orchestrator.recipe.validate; `microbatches_differ`: the reference cuts other microbatches)."""
+    k = k_local(rec)
+    if k < 0:
+        raise ConfigError(f"tolerance.k_local={k}: a tolerance >= 0 (0: off)")
+    if k == 0:
+        return
+    precision = rec["precision"]["name"]
+    trace = rec.get("trace") or {}
+    off = rec.get("localize", True) is False
+    why = ("it is calibrated on bf16 and fp8 runs (GEMM rounding draws; fp32's row-column metric sees "
+           f"one element from ~1e-5), not {precision}" if precision not in ("bf16", "fp8") else
+           "it judges the isolation pass, which localize=false turns off" if off
+           else "trace.mode=stats stores no tensor values" if (trace.get("mode") or "full") != "full"
+           else "trace.kinds leaves out what the isolated run is fed" if trace.get("kinds") is not None
+           else "the reference cuts other microbatches" if microbatches_differ else None)
+    if why:
+        raise ConfigError(f"tolerance.k_local={k}: the local elementwise verdict cannot run here: {why}; "
+                          "set tolerance.k_local=0")
