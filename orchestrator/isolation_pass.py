@@ -51,7 +51,9 @@ def wants_isolation(p: PlannedCheck) -> bool:
 def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
     """Isolation pass for failed checks (`localize: true`, the default): rerun each candidate with
     every module fed the reference's tensors (tracer/isolation.py), all on the cluster together, and
-    add `culprit` and `blame_window` to the report. A failure here leaves the verdict standing."""
+    add `culprit` and `blame_window` to the report; with tolerance.k_local, judge single elements
+    there too (_judge_locally). A failure here leaves the verdict standing, except a pass the local
+    verdict was asked to confirm: that becomes an error (_unjudged)."""
     jobs = []
     for p in plans:
         assert p.refs is not None and p.candidate is not None
