@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from orchestrator.check import run_checks  # noqa: E402
 from orchestrator.recipe import compose  # noqa: E402
-from tracer.local_verdict import local_errors  # noqa: E402
+from tracer.local_verdict import K_LOCAL, local_errors, local_unit  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
-from tracer.tolerance import own_err, unit_roundoff  # noqa: E402
+from tracer.tolerance import own_err  # noqa: E402
 
 KINDS = ("output", "grad_output", "param_grad")   # post-step params carry Adam's own amplification
 CASES = ("gpt_tiny:tp2", "gpt_tiny:tp2_sp", "gpt_tiny:dp2", "gpt_tiny:cp2", "gpt_tiny:pp2",
@@ -44,7 +44,6 @@ CASES = ("gpt_tiny:tp2", "gpt_tiny:tp2_sp", "gpt_tiny:dp2", "gpt_tiny:cp2", "gpt
          "llama_tiny:pp2_vpp2", "llama_tiny_kv2:tp2", "moe_tiny:ep2", "moe_tiny:ep2_tp2",
          "gpt_tiny:tp2_pp2_dp2", "llama_tiny:tp2_sp_pp2_dp2_zero1")   # the last two: 8 ranks
 MIN_NUMEL = 64
-K_LOCAL = 6.0   # the local verdict's tolerance the probes are judged at (docs/tolerance.md)
 PROBES = ("0/1/layers.1.mlp.fc1/output", "0/1/layers.1.mlp.fc1/grad_output",
           "0/-/layers.1.mlp.fc1.weight/param_grad")   # the corruption study's (bench/tolerance.py)
 DELTAS = (0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.5,
@@ -65,11 +64,6 @@ def tensor_figures(r: torch.Tensor, x: torch.Tensor, u: float) -> dict[str, floa
             "exact": float((d == 0).double().mean())}
 
 
-def unit(dtype: torch.dtype, precision: str) -> float:
-    u = unit_roundoff(str(dtype).removeprefix("torch."))
-    return max(u, 2.0**-8) if precision in ("bf16", "fp8") else u
-
-
 def measure(report: dict[str, Any]) -> dict[str, Any]:
     """Every first-step tensor's figures: the candidate's (propagated), the isolated run's (local)
     and the first perturbed run's (what the check's noise is made of)."""
@@ -79,9 +73,8 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
     cand = load_logical(report["store"], "candidate", world)
     iso = load_logical(report["store"], "isolated", world)
     precision = report["recipe"]["precision"]["name"]
-    floor = 2.0**-8 if precision in ("bf16", "fp8") else 0.0
-    local_err = local_errors(ref, iso, floor)        # the local verdict's own figure (own_err)
-    propagated_err = local_errors(ref, cand, floor)  # the same figure of the candidate as it ran
+    local_err = local_errors(ref, iso, precision)        # the local verdict's own figure (own_err)
+    propagated_err = local_errors(ref, cand, precision)  # the same figure of the candidate as it ran
     rows = []
     for name in ref.order:
         info = ref.info[name]
@@ -90,7 +83,7 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
         r = ref.tensors[name].tensor
         if r.numel() < MIN_NUMEL:
             continue
-        u = unit(r.dtype, report["recipe"]["precision"]["name"])
+        u = local_unit(r.dtype, precision)
         shape = ref.shape(name)
         rows.append({"name": name, "kind": info["kind"], "module_type": info.get("module_type", ""),
                      "matrix": len(shape) >= 2 and shape[-1] >= 8 and r.numel() // shape[-1] >= 8,
@@ -101,7 +94,7 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
             rows[-1]["local"]["own"] = local_err[name]
             rows[-1]["propagated"]["own"] = propagated_err[name]
     probes = {name: probe(ref.tensors[name].tensor, iso.tensors[name].tensor,
-                          max(unit(ref.tensors[name].tensor.dtype, precision), floor))
+                          local_unit(ref.tensors[name].tensor.dtype, precision))
               for name in PROBES if name in local_err}
     return {"tensors": rows, "summary": summary(rows), "probes": probes}
 

@@ -108,7 +108,7 @@ def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
     k_local fails, and the first failing tensor in execution order is the first divergence."""
     assert p.comparison is not None
     k = k_local(p.rec)
-    errs = local_errors(reference, isolated, 2.0**-8)   # bf16 and fp8 runs only (check_local)
+    errs = local_errors(reference, isolated, p.rec["precision"]["name"])
     by_name = {r.name: r for r in p.comparison.results}
     for name, err in errs.items():
         r = by_name.get(name)

@@ -329,7 +329,7 @@ def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_c
     from tracer.local_verdict import local_errors
 
     ref, pert, candidate = adam_check
-    honest = local_errors(ref, candidate.isolated(), 2.0**-8)
+    honest = local_errors(ref, candidate.isolated(), "bf16")
     assert honest and max(honest.values()) < 6
     for name in ("0/1/layers.1.mlp.fc1/output", "0/1/layers.1.mlp.fc1/grad_output",
                  "0/-/layers.1.mlp.fc1.weight/param_grad"):
@@ -341,7 +341,7 @@ def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_c
             for trace in (cand, iso):   # a bug acts in both runs
                 flat = trace.tensors[name].tensor.view(-1)
                 flat[i] = (flat[i].double() * (1 + delta)).to(flat.dtype)
-            assert (local_errors(ref, iso, 2.0**-8)[name] > 6) == fails, (name, delta)
+            assert (local_errors(ref, iso, "bf16")[name] > 6) == fails, (name, delta)
             if delta == 0.08:   # the check's own path: the local verdict turns its pass into a fail
                 as_run = compare(ref, cand, pert, TolerancePolicy())
                 assert as_run.verdict == "pass", name
@@ -352,3 +352,4 @@ def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_c
                 fd = p.comparison.first_divergence
                 assert p.comparison.verdict == "fail" and fd.name == name and fd.reason.startswith("local:")
                 assert p.report["local"]["failed"] == 1 and fd.local_err > fd.local_tolerance == 6
+
