@@ -25,6 +25,7 @@ from orchestrator.layouts import (  # noqa: F401  (recipe.RECIPES, ...)
 )
 from tracer.errors import ConfigError
 from tracer.local_verdict import check_local
+from workloads import faults
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
@@ -180,8 +181,7 @@ def job_spec(recipe: dict[str, Any], *, role: str, store_url: str, run: str | No
                   # endpoint and timeouts for S3 stores, never credentials
                   "storage": store_options(recipe.get("store") or {})},
         "timeout_s": recipe["timeout_s"],
-        # Faults are injected into the candidate only: the reference must stay trustworthy.
-        "fault": recipe.get("fault") if role == "candidate" else None,
+        "fault": faults.for_role(recipe.get("fault"), role),   # the candidate's only (workloads/faults.py)
         "log": log or {},
     }
 

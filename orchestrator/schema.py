@@ -169,9 +169,11 @@ class Tolerance:
 
 @dataclass
 class Fault:
-    kind: str = "none"               # none | raise | exit | hang | nan_grad (built-in jobs)
+    kind: str = "none"               # none|raise|exit|hang|nan_grad|scale_grad_element (built-in jobs)
     rank: int = 0
     step: int = 0
+    param: str = "layers.1.mlp.fc1.weight"   # scale_grad_element: the parameter whose grad it changes
+    scale: float = 0.1               # scale_grad_element: its median element x (1 + scale)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,8 @@ def validate(spec: Mapping[str, Any]) -> None:
     fault = spec.get("fault") or {}
     need(fault.get("kind", "none") in faults.KINDS,
          f"unknown fault.kind '{fault.get('kind')}'; known: {', '.join(faults.KINDS)}")
+    need(fault.get("kind") != "scale_grad_element" or -1 < float(fault.get("scale", 0.1)) < math.inf,
+         f"fault.scale={fault.get('scale')}: the element becomes x (1 + scale), a finite scale > -1")
 
 
 MODEL_ARCHS = ("gpt", "llama")

@@ -45,3 +45,22 @@ def test_the_local_verdict_runs_the_isolation_pass_on_a_pass_and_an_unconfirmed_
     failed.comparison = Comparison("fail")
     _unjudged(failed, "x")
     assert failed.comparison.verdict == "fail" and failed.error is None   # a FAIL stands
+
+
+def test_a_silent_fault_reaches_the_candidate_and_its_isolation_pass_never_the_references():
+    """fault.kind=scale_grad_element (workloads/faults.py) stands for a bug in the candidate's code,
+    which its isolation pass runs too; a crash fault stays the candidate's; a reference never gets one."""
+    from orchestrator.recipe import job_spec
+    from workloads.config import validate as validate_spec
+
+    silent = compose(["parallel=tp2", "precision=bf16", "fault.kind=scale_grad_element", "fault.scale=0.1"])
+    got = {role: job_spec(silent, role=role, store_url="/tmp/s")["fault"]
+           for role in ("reference", "perturbed", "candidate", "isolated")}
+    assert got["reference"] is None and got["perturbed"] is None
+    assert got["candidate"] == got["isolated"] and got["isolated"]["scale"] == 0.1
+    crash = compose(["parallel=tp2", "fault.kind=raise"])
+    assert job_spec(crash, role="isolated", store_url="/tmp/s")["fault"] is None
+    assert job_spec(crash, role="candidate", store_url="/tmp/s")["fault"]["kind"] == "raise"
+    with pytest.raises(ConfigError, match="fault.scale=-1.5"):
+        validate_spec(job_spec(compose(["parallel=tp2", "fault.kind=scale_grad_element", "fault.scale=-1.5"]),
+                               role="candidate", store_url="/tmp/s"))

@@ -126,6 +126,7 @@ def adam_check(ray_cluster, tmp_path_factory):
     pert = [load(url, f"perturbed-{r}", 1) for r in (1, 2, 3)]
     candidate = lambda: load(res.report["store"], "candidate", 2)
     candidate.isolated = lambda: load(res.report["store"], "isolated", 2)
+    candidate.work = work   # its base directory: a check of the same recipe there reuses its references
     return ref, pert, candidate
 
 
@@ -353,3 +354,34 @@ def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_c
                 assert p.comparison.verdict == "fail" and fd.name == name and fd.reason.startswith("local:")
                 assert p.report["local"]["failed"] == 1 and fd.local_err > fd.local_tolerance == 6
 
+
+def test_one_grad_element_10_percent_off_in_bf16_exits_1_with_the_local_verdict(ray_cluster,
+                                                                                tmp_path_factory,
+                                                                                adam_check):
+    """Issue 14's acceptance as a real check: a silent fault (workloads/faults.py) scales the grad
+    element of median size of layers.1.mlp.fc1.weight on TP rank 1 by 1.10, nothing else. The
+    isolation pass runs the candidate's code, so the fault acts there too, and the local verdict
+    (tolerance.k_local=6) fails the check at that grad: exit 1. Its clean counterpart is adam_check
+    (the same recipe without the fault), which passes; its reference set is reused here."""
+    from orchestrator.check import run_check
+    from orchestrator.recipe import compose
+
+    ref, _, clean = adam_check
+    work = clean.work
+    name = "0/-/layers.1.mlp.fc1.weight/param_grad"
+    rec = compose(["parallel=tp2", "precision=bf16", "model.layers=2", "tracking.enabled=false",
+                   "tolerance.k_local=6", f"cluster.address={ray_cluster}", "fault.kind=scale_grad_element",
+                   "fault.rank=1", "fault.step=0", "fault.param=layers.1.mlp.fc1.weight", "fault.scale=0.1"])
+    res = run_check(rec, work / "faulted", base_dir=str(work))
+    assert res.verdict == "fail" and res.exit_code == 1, res.message
+    fd = res.report["first_divergence"]
+    assert fd["name"] == name, fd
+    judged = next(t for t in res.report["tensors"] if t["name"] == name)
+    assert judged["local_err"] > 6 and res.report["local"]["failed"] >= 1, judged
+    assert res.report["reference"]["cache"] == "hit"   # the clean check's references: the same runs judged it
+    # Only that element moved: fed the reference's tensors, this grad is bit-identical when honest
+    # (column-parallel), and here differs in one element, by the fault's 10% (to bf16 rounding).
+    iso = load_logical(res.report["store"], "isolated", 2).tensors[name].tensor.double()
+    r = ref.tensors[name].tensor.double()
+    (at,) = (iso != r).nonzero()
+    assert abs(float(iso[tuple(at)] / r[tuple(at)]) - 1.1) < 0.01
