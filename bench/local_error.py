@@ -91,8 +91,8 @@ def measure(report: dict[str, Any]) -> dict[str, Any]:
                      "local": tensor_figures(r, iso.tensors[name].tensor, u),
                      "perturbed": tensor_figures(r, pert.tensors[name].tensor, u)})
         if name in local_err:
-            rows[-1]["local"]["own"] = local_err[name]
-            rows[-1]["propagated"]["own"] = propagated_err[name]
+            rows[-1]["local"]["own"] = local_err[name].elem
+            rows[-1]["propagated"]["own"] = propagated_err[name].elem
     probes = {name: probe(ref.tensors[name].tensor, iso.tensors[name].tensor,
                           local_unit(ref.tensors[name].tensor.dtype, precision))
               for name in PROBES if name in local_err}

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator import cluster, recipe, routing  # noqa: E402
 from tracer.compare import compare  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
-from tracer.local_verdict import K_LOCAL, local_errors, local_unit  # noqa: E402
+from tracer.local_verdict import K_LOCAL, K_LOCAL_SCALE, local_error, local_errors  # noqa: E402
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
@@ -354,25 +354,35 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
 
 
 def local_corruption(ref: Any, iso: Any, prec: str) -> list[dict]:
-    """The local verdict's single elements (tracer/local_verdict.py, at K_LOCAL): the corruption
-    study's element x (1 + delta) in the isolated run as well (a bug acts in every run of the
-    candidate's code); the smallest delta that puts the tensor past K_LOCAL."""
-    out = []
+    """The local verdict (tracer/local_verdict.py, at K_LOCAL and K_LOCAL_SCALE) on the corruption
+    study's probes, each applied to the isolated run as well (a bug acts in every run of the
+    candidate's code): the smallest delta that fails a tensor it judges (first step's tensors with a
+    row-column view: the layer's weight grads, not its norms' and biases')."""
+    judged = local_errors(ref, iso, prec)
+    grads = [n for n in judged if ref.info[n]["kind"] == "param_grad" and n.split("/")[2].startswith(LAYER)]
+    probes: list[tuple[str, list[str], tuple | None]] = [("layer_grads", grads, None)]
     for name, shard_dim in TARGETS:
-        if name not in ref.tensors or name not in iso.tensors:
-            continue
-        r, x = ref.tensors[name].tensor, iso.tensors[name].tensor
-        idx, u, dtype = _element(r, shard_dim), local_unit(r.dtype, prec), x.dtype
+        if name in judged:
+            probes += [("scale", [name], None),
+                       ("element", [name], _element(ref.tensors[name].tensor, shard_dim))]
+    out = []
+    for mode, names, idx in probes:
 
-        def detected(delta: float, x: torch.Tensor = x, r: torch.Tensor = r, idx: tuple = idx,
-                     u: float = u, dtype: torch.dtype = dtype) -> dict[str, bool]:
-            c = x.clone()
-            c[idx] = (c[idx].double() * (1 + delta)).to(dtype)
-            return {"ttrace": own_err(c.double() - r.double(), r, u) > K_LOCAL}
+        def detected(delta: float, names: list[str] = names, idx: tuple | None = idx) -> dict[str, bool]:
+            for name in names:
+                r, c = ref.tensors[name].tensor, iso.tensors[name].tensor.clone()
+                if idx is None:
+                    c = (c.double() * (1 + delta)).to(c.dtype)
+                else:
+                    c[idx] = (c[idx].double() * (1 + delta)).to(c.dtype)
+                if not local_error(r, c, prec).ok(K_LOCAL):
+                    return {"ttrace": True}
+            return {"ttrace": False}
 
         found = _smallest(detected, ("ttrace",))
-        out.append({"precision": prec, "method": f"local verdict (k_local={K_LOCAL:g})", "mode": "element",
-                    "tensor": name, "element": list(idx), "ttrace": found["ttrace"], "ttrace_normwise": None,
+        out.append({"precision": prec, "method": f"local verdict (k_local={K_LOCAL:g})", "mode": mode,
+                    "tensor": f"{LAYER}* param_grad (step 0)" if mode == "layer_grads" else names[0],
+                    "element": list(idx) if idx else None, "ttrace": found["ttrace"], "ttrace_normwise": None,
                     "megatron_fixed": None, "assert_close": None})
     return out
 
@@ -386,9 +396,11 @@ def local_verdict(ref: Any, url: str, par: str, prec: str) -> dict[str, Any] | N
               flush=True)
         return None
     errs = local_errors(ref, load_logical(url, f"iso-{par}", ws), prec)
-    worst = max(errs, key=errs.__getitem__, default=None)
-    top = errs[worst] if worst is not None else 0.0
-    return {"judged": len(errs), "max": top, "at": worst, "ok": top <= K_LOCAL}
+    worst = max(errs, key=lambda n: errs[n].elem, default=None)
+    along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
+    return {"judged": len(errs), "max": errs[worst].elem if worst else 0.0, "at": worst,
+            "max_scale": abs(errs[along].scale) if along else 0.0, "scale_at": along,
+            "ok": all(e.ok(K_LOCAL) for e in errs.values())}
 
 
 def main() -> int:
@@ -534,17 +546,19 @@ def local_summary(verdicts: list[dict]) -> dict[str, Any]:
     positives (a check past K_LOCAL), the largest honest local error per precision, and the checks
     without an isolated trace (not counted)."""
     judged = [v for v in verdicts if v.get("local")]
-    out: dict[str, Any] = {"k_local": K_LOCAL, "checks": len(judged),
+    out: dict[str, Any] = {"k_local": K_LOCAL, "k_local_scale": K_LOCAL_SCALE, "checks": len(judged),
                            "false_positives": sum(not v["local"]["ok"] for v in judged),
                            "eight_rank": sum(v["world_size"] == 8 for v in judged),
                            "not_judged": [f"{v['family']} {v['precision']} {v['parallel']}" for v in verdicts
                                           if v["precision"] in LOCAL_PRECISIONS and not v.get("local")],
                            "honest_max": {}}
     for v in judged:
-        best = out["honest_max"].get(v["precision"])
-        if best is None or v["local"]["max"] > best["max"]:
-            out["honest_max"][v["precision"]] = {
-                "max": v["local"]["max"], "at": f"{v['family']} {v['parallel']} {v['local']['at']}"}
+        best = out["honest_max"].setdefault(v["precision"], {"max": -1.0, "max_scale": -1.0})
+        where = f"{v['family']} {v['parallel']}"
+        if v["local"]["max"] > best["max"]:
+            best["max"], best["at"] = v["local"]["max"], f"{where} {v['local']['at']}"
+        if v["local"]["max_scale"] > best["max_scale"]:
+            best["max_scale"], best["scale_at"] = v["local"]["max_scale"], f"{where} {v['local']['scale_at']}"
     return out
 
 
@@ -625,14 +639,16 @@ def print_tables(res: dict) -> None:
                   f"{v['first_divergence']}")
     lv = cm.get("local_verdict")
     if lv:
-        worst = ", ".join(f"{p} {h['max']:.2f} ({h['at']})" for p, h in lv["honest_max"].items())
-        print(f"local verdict (opt-in, k_local={lv['k_local']:g}): {lv['checks']} bf16/fp8 checks "
-              f"({lv['eight_rank']} 8-rank), false positives: {lv['false_positives']}; largest honest "
-              f"local error: {worst or '-'}; not judged: {lv['not_judged'] or 'none'}")
+        worst = ", ".join(f"{p} {h['max']:.2f} ({h['at']}), along itself {h['max_scale']:.3f} roundings "
+                          f"({h['scale_at']})" for p, h in lv["honest_max"].items())
+        print(f"local verdict (opt-in, k_local={lv['k_local']:g}, scale {lv.get('k_local_scale', '-')} "
+              f"roundings): {lv['checks']} bf16/fp8 checks ({lv['eight_rank']} 8-rank), false positives: "
+              f"{lv['false_positives']}; largest honest local error: {worst or '-'}; not judged: "
+              f"{lv['not_judged'] or 'none'}")
         for v in cm["verdicts"]:
             if v.get("local") and not v["local"]["ok"]:
                 print(f"  local FP {v['family']} {v['precision']} {v['parallel']}: {v['local']['at']} "
-                      f"{v['local']['max']:.3g}")
+                      f"{v['local']['max']:.3g}, {v['local']['scale_at']} {v['local']['max_scale']:.3g}")
     print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
     for prec, c in res["calibration"]["ratios"].items():
         n, e = c["norm_ratio_all"], c["elem_ratio_all"]

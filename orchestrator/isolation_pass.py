@@ -16,7 +16,7 @@ from orchestrator.rank_logs import log_dir
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.isolation import name_culprit
-from tracer.local_verdict import k_local, local_errors, reason
+from tracer.local_verdict import K_LOCAL_SCALE, k_local, local_errors, reason
 from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison
@@ -104,8 +104,9 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
 
 
 def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
-    """The local elementwise verdict (tracer/local_verdict.py) joins the check's: a tensor past
-    k_local fails, and the first failing tensor in execution order is the first divergence."""
+    """The local verdict (tracer/local_verdict.py) joins the check's: a tensor past k_local or moved
+    along itself past K_LOCAL_SCALE fails, and the first failing tensor in execution order is the
+    first divergence."""
     assert p.comparison is not None
     k = k_local(p.rec)
     errs = local_errors(reference, isolated, p.rec["precision"]["name"])
@@ -114,16 +115,20 @@ def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
         r = by_name.get(name)
         if r is None:
             continue
-        r.local_err, r.local_tolerance = err, k
-        if not err <= k and r.ok:
+        r.local_err, r.local_scale, r.local_tolerance = err.elem, err.scale, k
+        if not err.ok(k) and r.ok:
             r.ok, r.reason = False, reason(err, k)
     bad = [r for r in p.comparison.results if not r.ok]
     if bad:
         p.comparison = Comparison("fail", p.comparison.results, min(bad, key=lambda r: r.index))
     p.report.update(p.comparison.to_json())
-    worst = max(errs, key=errs.__getitem__, default=None)
-    p.report["local"] = {"k_local": k, "judged": len(errs), "failed": sum(not e <= k for e in errs.values()),
-                         "worst": None if worst is None else {"name": worst, "local_err": errs[worst]}}
+    worst = max(errs, key=lambda n: errs[n].elem, default=None)
+    along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
+    p.report["local"] = {"k_local": k, "k_local_scale": K_LOCAL_SCALE, "judged": len(errs),
+                         "failed": sum(not e.ok(k) for e in errs.values()),
+                         "worst": None if worst is None else {"name": worst, "local_err": errs[worst].elem},
+                         "worst_scale": None if along is None else {"name": along,
+                                                                    "local_scale": errs[along].scale}}
 
 
 def _unjudged(p: PlannedCheck, why: str) -> None:

@@ -41,6 +41,7 @@ class TensorResult:
     joint_tolerance: float = math.inf  #   that bound on rowcol_err (inf: not judged this way)
     local_err: float = 0.0       # own_err of the isolation pass's tensor (tracer/local_verdict.py)
     local_tolerance: float = math.inf  # on local_err: tolerance.k_local (inf: not judged this way)
+    local_scale: float = 0.0     # its deviation's projection on the reference, in roundings (K_LOCAL_SCALE)
     scale_err: float = 0.0       # <c - r, r> / ||r||^2: a uniform scale error (1 + d) shows as d
     scale_tolerance: float = math.inf  # on |scale_err|
     scale_band: tuple[float, float] = (-math.inf, math.inf)   # the range scale_err may take (GEMM draws)
