@@ -71,9 +71,11 @@ def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cl
     """bf16 perturbed runs are moved by GEMM rounding draws, which move nothing before the first step:
     their initial parameters (step -1) are the reference's. That step's band is zero (the candidate's
     initial parameters are held to the floor), and every later step must have moved (before this, a
-    bf16 or fp8 scan always ended in 'the perturbation did not apply')."""
+    bf16 or fp8 scan always ended in 'the perturbation did not apply'). R = 3 perturbed runs, the
+    default: with 2 (3 pairs of honest runs make the band) a Zen 4 EPYC flags step 1's
+    layers.0.attn.proj weight grad at 1.24 of its band; with 3 (6 pairs) it is at 0.64."""
     res = scan(workdir, "bf16", "steps=2", "precision=bf16", "parallel=tp2", "tracking.enabled=false",
-               "scan.full_steps=0")   # the fingerprints alone
+               "scan.full_steps=0", "tolerance.perturbations=3")   # the fingerprints alone
     assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
     assert "first_steps" not in res.report["scan"]
     steps = res.report["scan"]["steps"]
@@ -85,21 +87,30 @@ def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cl
 def test_an_fp8_scan_checks_its_first_steps_in_full_where_fingerprints_miss_the_unreduced_amax(
         ray_cluster, workdir):
     """FP8 amax not reduced over TP (each weight shard quantized with its own scale) moves the grads and
-    params about as much as fp8's own noise: on the 4-layer model the fingerprints alone
-    (scan.full_steps=0) pass it (on 2 or 3 layers they flag step 1, at 1.6-1.8x a bias grad's band).
-    The full check of the first steps (the default) names the first FP8 GEMM's output at step 0, and
-    the scan fails there."""
+    params about as much as fp8's own noise; at step 0 its effect is in the activations, which the
+    fingerprints do not log, and they never flag step 0 (scan.full_steps=0). On the 4-layer model
+    they pass it on one EPYC and flag step 1 on a Zen 4 one (on 2 or 3 layers, at 1.6-1.8x a bias
+    grad's band). By default the scan names the first FP8 GEMM's output at step 0 either way: where
+    the fingerprints passed, by checking its first steps in full; where they flagged step 1, by its
+    rerun of steps [0, 1] (the first steps are not checked twice)."""
     common = ("parallel=tp2", "precision=fp8", "tolerance.perturbations=2",
               "bug=fp8_amax_unreduced", "steps=2", "tracking.enabled=false")
     blind = scan(workdir, "fingerprints", "scan.full_steps=0", base=common)
-    assert blind.verdict == "pass", blind.message or blind.report["scan"]["line"]
+    seen = blind.report["scan"]
+    by_fingerprints = seen.get("fingerprint_first_step", seen["first_step"])
+    assert blind.verdict == "pass" or (blind.verdict == "fail" and seen["flagged_by"] != "first_steps"
+                                       and by_fingerprints == 1), blind.message or seen["line"]
     res = scan(workdir, "full", base=common)
     assert res.verdict == "fail" and res.exit_code == 1, res.message
     s = res.report["scan"]
-    assert s["flagged_by"] == "first_steps" and s["first_step"] == 0 and s["fingerprint_first_step"] is None
+    assert s["first_step"] == 0, s["line"]
+    if blind.verdict == "pass":
+        assert s["flagged_by"] == "first_steps" and s["fingerprint_first_step"] is None and "rerun" not in s
+    else:
+        assert s["flagged_by"] == "rerun" and s["fingerprint_first_step"] == 1, s["line"]
     fd = res.report["first_divergence"]
     assert fd["name"] == "0/0/layers.0.attn.qkv/output", fd
-    assert "0/0/layers.0.attn.qkv/output" in s["tensors"] and "rerun" not in s
+    assert "0/0/layers.0.attn.qkv/output" in s["tensors"]
     assert res.report["culprit"]["module"] == "layers.0.attn.qkv" and res.report["culprit"]["step"] == 0
     assert "in the full check of steps [0, 1]" in s["line"] and "html_error" not in res.report
 
