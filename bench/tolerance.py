@@ -13,8 +13,8 @@ smallest corruption each method detects. Writes bench/tolerance.json and prints 
    bound and torch.testing.assert_close; false positives per family and in total.
 4. Corruption study on saved traces (gpt_tiny): candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
-   smallest delta each method detects. In bf16 and fp8 also the opt-in local verdict
-   (tolerance.k_local, tracer/local_verdict.py): each candidate's isolation pass is run too (`iso-*`),
+   smallest delta each method detects. In bf16 and fp8 also the local verdict (tolerance.local,
+   tracer/local_verdict.py: a check's default there): each candidate's isolation pass runs too (`iso-*`),
    its honest local error counted on the clean matrix (a false positive exits 1) and its single
    elements probed on the same element.
 5. Clean checks started from a checkpoint trained STEPS steps on real text (`--trained STEPS`,
@@ -641,7 +641,7 @@ def print_tables(res: dict) -> None:
     if lv:
         worst = ", ".join(f"{p} {h['max']:.2f} ({h['at']}), along itself {h['max_scale']:.3f} roundings "
                           f"({h['scale_at']})" for p, h in lv["honest_max"].items())
-        print(f"local verdict (opt-in, k_local={lv['k_local']:g}, scale {lv.get('k_local_scale', '-')} "
+        print(f"local verdict (k_local={lv['k_local']:g}, scale {lv.get('k_local_scale', '-')} "
               f"roundings): {lv['checks']} bf16/fp8 checks ({lv['eight_rank']} 8-rank), false positives: "
               f"{lv['false_positives']}; largest honest local error: {worst or '-'}; not judged: "
               f"{lv['not_judged'] or 'none'}")

@@ -126,6 +126,7 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
         p.comparison = compare(ref, cand, pert, policy)
         p.report["timings"]["compare"] = time.perf_counter() - t0
         p.report.update(p.comparison.to_json())
+        _local_verdict(p, root, reference, isolated)
         if isolated and p.comparison.verdict == "fail":
             try:
                 local = compare(load_logical(root, reference, world_size_of(root, reference), lazy=True),
@@ -139,3 +140,25 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
     except TTraceError as e:
         p.error, p.comparison = str(e), None
     return finish(p, base_dir, None)
+
+
+def _local_verdict(p: PlannedCheck, root: str, reference: str, isolated: str | None) -> None:
+    """The local verdict (tracer/local_verdict.py) on stored runs: only when asked (tolerance.local=on:
+    their job and kernels are not known to be the built-in trainer's it is calibrated on), and then
+    on the isolated run, whose absence is an error."""
+    from orchestrator.isolation_pass import judge_locally
+    from tracer.local_verdict import check_local, local_mode
+    from tracer.store import world_size_of
+
+    mode = local_mode(p.rec)
+    if mode != "on":
+        p.report["local"] = {"mode": mode, "off": "ttrace compare judges stored runs locally only when asked "
+                                                  "(tolerance.local=on, with an isolated run)"}
+        return
+    check_local(p.rec, False, True)
+    if not isolated:
+        raise TTraceError(f"tolerance.local=on: the local verdict judges the isolation pass's run, and there "
+                          f"is none under {root}; launch the candidate once more with TTRACE_ROLE=isolated "
+                          "TTRACE_REFERENCE=<the reference run's URL>, or name it with --isolated RUN")
+    judge_locally(p, load_logical(root, reference, world_size_of(root, reference), lazy=True),
+                  load_logical(root, isolated, world_size_of(root, isolated), lazy=True))

@@ -1,34 +1,44 @@
-"""The isolation pass of failed checks (`localize: true`): each candidate rerun with every module fed
-the reference's tensors (tracer/isolation.py), all on the cluster together; its comparison names the
-culprit and the blame window. A failure here leaves the verdict standing, except where the local
-elementwise verdict (tolerance.k_local > 0: the pass runs on every check and judges single elements,
-tracer/local_verdict.py) was asked for: a pass it could not confirm is an error."""
+"""The isolation pass (`localize: true`): each candidate rerun with every module fed the reference's
+tensors (tracer/isolation.py), all on the cluster together. On a failed check its comparison names
+the culprit and the blame window, and a failure here leaves the verdict standing. Where the local
+verdict judges (tolerance.local, tracer/local_verdict.py: by default bf16 and fp8 checks of the
+built-in trainer) it runs on every check and is part of the verdict: a pass it could not confirm is
+an error."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from orchestrator import cluster, recipe
+from orchestrator import cluster, recipe, routing
 from orchestrator.outcome import PlannedCheck, keep_logs
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.isolation import name_culprit
-from tracer.local_verdict import K_LOCAL_SCALE, k_local, local_errors, reason
+from tracer.local_verdict import K_LOCAL_SCALE, k_local, local_errors, local_mode, reason, why_not
 from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison
 
 
+def judges_locally(p: PlannedCheck) -> bool:
+    """Does the local verdict judge this check (tracer.local_verdict.why_not)? Where it does not, the
+    report says why (`local.off`)."""
+    why = why_not(p.rec, recipe.microbatches_differ(p.rec), routing.builtin(p.rec))
+    if why:
+        p.report["local"] = {"mode": local_mode(p.rec), "off": why}
+    return why is None
+
+
 def wants_isolation(p: PlannedCheck) -> bool:
     """`localize: true` (default): on a failed check; `always`: also on a pass (a self-check of the
-    isolation pass, which must then flag nothing); `false`: never. tolerance.k_local > 0: on every
-    check (the local verdict judges it)."""
+    isolation pass, which must then flag nothing); `false`: never. Where the local verdict judges
+    (judges_locally): on every check."""
     mode = p.rec.get("localize", True)
     assert p.comparison is not None
-    wanted = (mode == "always" or k_local(p.rec) > 0
+    wanted = (mode == "always" or judges_locally(p)
               or (mode is True and p.comparison.verdict == "fail"))
     if wanted and ((p.rec.get("trace") or {}).get("mode") or "full") == "stats":
         p.report["localization_error"] = ("no isolation pass: trace.mode=stats stores no tensor values to "
@@ -49,11 +59,11 @@ def wants_isolation(p: PlannedCheck) -> bool:
 
 
 def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
-    """Isolation pass for failed checks (`localize: true`, the default): rerun each candidate with
-    every module fed the reference's tensors (tracer/isolation.py), all on the cluster together, and
-    add `culprit` and `blame_window` to the report; with tolerance.k_local, judge single elements
-    there too (_judge_locally). A failure here leaves the verdict standing, except a pass the local
-    verdict was asked to confirm: that becomes an error (_unjudged)."""
+    """Isolation pass (wants_isolation): rerun each candidate with every module fed the reference's
+    tensors (tracer/isolation.py), all on the cluster together; on a failed check add `culprit` and
+    `blame_window` to the report, and where the local verdict judges, judge there (judge_locally).
+    A failure here leaves a verdict standing, except a pass the local verdict was to confirm: that
+    becomes an error (_unjudged)."""
     jobs = []
     for p in plans:
         assert p.refs is not None and p.candidate is not None
@@ -87,8 +97,8 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
             reference, perturbed = p.loaded
             policy = TolerancePolicy.from_config(p.rec["tolerance"])
             local = compare(reference, isolated, perturbed, policy)
-            if k_local(p.rec) > 0:
-                _judge_locally(p, reference, isolated)
+            if judges_locally(p):
+                judge_locally(p, reference, isolated)
             if p.comparison.verdict == "fail":
                 p.report.update(name_culprit(p.comparison, local))
             p.report["isolation"] = {"flagged": sum(not r.ok for r in local.results), "run": "isolated",
@@ -103,7 +113,7 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
             p.loaded = None
 
 
-def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
+def judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
     """The local verdict (tracer/local_verdict.py) joins the check's: a tensor past k_local or moved
     along itself past K_LOCAL_SCALE fails, and the first failing tensor in execution order is the
     first divergence."""
@@ -124,7 +134,8 @@ def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
     p.report.update(p.comparison.to_json())
     worst = max(errs, key=lambda n: errs[n].elem, default=None)
     along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
-    p.report["local"] = {"k_local": k, "k_local_scale": K_LOCAL_SCALE, "judged": len(errs),
+    p.report["local"] = {"mode": local_mode(p.rec), "k_local": k, "k_local_scale": K_LOCAL_SCALE,
+                         "judged": len(errs),
                          "failed": sum(not e.ok(k) for e in errs.values()),
                          "worst": None if worst is None else {"name": worst, "local_err": errs[worst].elem},
                          "worst_scale": None if along is None else {"name": along,
@@ -132,8 +143,9 @@ def _judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
 
 
 def _unjudged(p: PlannedCheck, why: str) -> None:
-    """A check whose local verdict was asked for (tolerance.k_local) and not reached is an error, never a
-    pass on partial judgement; a check that failed already keeps its verdict."""
-    if k_local(p.rec) > 0 and p.comparison is not None and p.comparison.verdict == "pass":
-        p.error = f"the local elementwise verdict (tolerance.k_local) could not run: {why}"
+    """A check the local verdict judges whose isolation pass did not run is an error, never a pass on
+    partial judgement; a check that failed already keeps its verdict."""
+    if p.comparison is not None and p.comparison.verdict == "pass" and judges_locally(p):
+        p.error = (f"the local verdict (tolerance.local) could not run: {why}; rerun, or set "
+                   "tolerance.local=off to judge without it")
         p.comparison = None

@@ -202,7 +202,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
     from tracer.tolerance import TolerancePolicy
 
     TolerancePolicy.from_config(tol)
-    check_local(recipe, microbatches_differ(recipe))
+    check_local(recipe, microbatches_differ(recipe), routing.builtin(recipe))
     from tracer.stats import MODES
 
     mode = (recipe.get("trace") or {}).get("mode") or "full"

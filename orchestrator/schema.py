@@ -160,7 +160,8 @@ class Tolerance:
     k_joint: float = 2.0             #   and rowcol_err past k_joint x its noise (k_own 0: off)
     k_band: float = 8.0              # scale band, GEMM rounding draws: k_band x the runs' projections'
     band_floor: float = 0.25         #   spread, at least band_floor x the norm-wise noise (0: off)
-    k_local: float = 0.0             # >0: single elements judged in the isolation pass, run on every check
+    local: str = "auto"              # auto (bf16/fp8 built-in) | on | off: the local verdict (isolation pass)
+    k_local: float = 6.0             # its tolerance on an element, in the module's own noise
     depth_c: float = 1.03
     replicas: str = "exact"          # exact (bitwise) | tolerance (recipes with nondeterministic kernels)
     routing: str = "auto"            # auto | replay | own: MoE expert choice (orchestrator/routing.py)

@@ -1,5 +1,6 @@
-"""The local elementwise verdict (`tolerance.k_local > 0`): single elements judged where each module is
-fed the reference's tensors (the isolation pass, tracer/isolation.py), not as the candidate ran.
+"""The local verdict (`tolerance.local`, on by default for bf16 and fp8 checks of the built-in trainer):
+single elements and uniform scales judged where each module is fed the reference's tensors (the
+isolation pass, tracer/isolation.py), not as the candidate ran.
 
 As the candidate ran, every tensor carries noise from all the modules before it: in bf16 an honest
 tp2 candidate's elements of median size at layer 1 are already 5-9% off the reference (30-123% in
@@ -93,28 +94,49 @@ def reason(err: LocalError, k_local: float) -> str:
             f"roundings (a uniform scale; tolerance {K_LOCAL_SCALE:g})")
 
 
+MODES = ("auto", "on", "off")
+
+
 def k_local(rec: dict[str, Any]) -> float:
-    """tolerance.k_local (0: the local elementwise verdict is off)."""
-    return float((rec.get("tolerance") or {}).get("k_local", 0.0) or 0.0)
+    """tolerance.k_local: the tolerance on a local error (LocalError.elem)."""
+    return float((rec.get("tolerance") or {}).get("k_local", K_LOCAL))
 
 
-def check_local(rec: dict[str, Any], microbatches_differ: bool) -> None:
-    """ConfigError for a recipe whose local verdict (tolerance.k_local > 0) cannot be reached
-    (orchestrator.recipe.validate; `microbatches_differ`: the reference cuts other microbatches)."""
-    k = k_local(rec)
-    if k < 0:
-        raise ConfigError(f"tolerance.k_local={k}: a tolerance >= 0 (0: off)")
-    if k == 0:
-        return
+def local_mode(rec: dict[str, Any]) -> str:
+    """tolerance.local: auto (default: on where it is calibrated, module doc) | on | off."""
+    return str((rec.get("tolerance") or {}).get("local", "auto"))
+
+
+def why_not(rec: dict[str, Any], microbatches_differ: bool, builtin: bool) -> str | None:
+    """Why the local verdict does not judge this recipe under its mode (None: it does).
+    `microbatches_differ`: the reference cuts other microbatches; `builtin`: the job is the built-in
+    trainer, whose kernels the verdict was calibrated on (auto judges user jobs only when asked)."""
+    mode = local_mode(rec)
+    if mode == "off":
+        return "tolerance.local=off"
     precision = rec["precision"]["name"]
     trace = rec.get("trace") or {}
     off = rec.get("localize", True) is False
-    why = ("it is calibrated on bf16 and fp8 runs (GEMM rounding draws; fp32's row-column metric sees "
-           f"one element from ~1e-5), not {precision}" if precision not in ("bf16", "fp8") else
-           "it judges the isolation pass, which localize=false turns off" if off
-           else "trace.mode=stats stores no tensor values" if (trace.get("mode") or "full") != "full"
-           else "trace.kinds leaves out what the isolated run is fed" if trace.get("kinds") is not None
-           else "the reference cuts other microbatches" if microbatches_differ else None)
+    return ("it is calibrated on bf16 and fp8 runs (fp32's row-column metric sees one element from "
+            f"~1e-5 already), not {precision}" if precision not in ("bf16", "fp8")
+            else "it judges the isolation pass, which localize=false turns off" if off
+            else "trace.mode=stats stores no tensor values" if (trace.get("mode") or "full") != "full"
+            else "trace.kinds leaves out what the isolated run is fed" if trace.get("kinds") is not None
+            else "the reference cuts other microbatches" if microbatches_differ
+            else "auto judges the built-in trainer, whose kernels it is calibrated on (tolerance.local=on "
+                 "judges a user job too)" if mode == "auto" and not builtin else None)
+
+
+def check_local(rec: dict[str, Any], microbatches_differ: bool, builtin: bool) -> None:
+    """ConfigError for a bad tolerance.local or k_local, and for tolerance.local=on where the local
+    verdict cannot judge (orchestrator.recipe.validate; arguments as why_not's)."""
+    mode, k = local_mode(rec), k_local(rec)
+    if mode not in MODES:
+        raise ConfigError(f"tolerance.local={mode}: use auto (bf16/fp8 built-in checks), on or off")
+    if not k > 0:
+        raise ConfigError(f"tolerance.k_local={k}: a tolerance > 0 (to turn the local verdict off: "
+                          "tolerance.local=off)")
+    why = why_not(rec, microbatches_differ, builtin) if mode == "on" else None
     if why:
-        raise ConfigError(f"tolerance.k_local={k}: the local elementwise verdict cannot run here: {why}; "
-                          "set tolerance.k_local=0")
+        raise ConfigError(f"tolerance.local=on: the local verdict cannot judge this recipe: {why}; set "
+                          "tolerance.local=auto or off")

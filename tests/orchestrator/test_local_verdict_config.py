@@ -20,28 +20,44 @@ from tracer.verdicts import Comparison
     (["precision=bf16", "trace.kinds=[param_grad]"], "trace.kinds"),
     (["precision=bf16", "reference.micro_batch=8"], "other microbatches"),
 ])
-def test_a_recipe_the_local_verdict_cannot_judge_is_refused(overrides, needle):
-    with pytest.raises(ConfigError, match="tolerance.k_local=6") as e:
-        validate(compose(["parallel=tp2", "tolerance.k_local=6", *overrides]))
+def test_asked_for_where_it_cannot_judge_the_recipe_is_refused_and_auto_says_why_it_is_off(overrides, needle,
+                                                                                         tmp_path):
+    with pytest.raises(ConfigError, match="tolerance.local=on") as e:
+        validate(compose(["parallel=tp2", "tolerance.local=on", *overrides]))
     assert needle in str(e.value)
-    validate(compose(["parallel=tp2", *overrides]))   # the same recipe without it runs
-    with pytest.raises(ConfigError, match=">= 0"):
-        validate(compose(["parallel=tp2", "precision=bf16", "tolerance.k_local=-1"]))
+    rec = compose(["parallel=tp2", *overrides])   # auto, the default: the recipe runs, unjudged locally
+    validate(rec)
+    p = PlannedCheck(rec, Path(tmp_path), "c", {}, 0.0)
+    p.comparison = Comparison("pass")
+    assert not wants_isolation(p) and needle in p.report["local"]["off"]
 
 
-def test_the_local_verdict_runs_the_isolation_pass_on_a_pass_and_an_unconfirmed_pass_is_an_error(tmp_path):
+def test_bad_local_settings_are_refused():
+    for bad, needle in (("tolerance.local=maybe", "use auto"), ("tolerance.k_local=0", "> 0"),
+                        ("tolerance.k_local=-1", "> 0")):
+        with pytest.raises(ConfigError, match=needle):
+            validate(compose(["parallel=tp2", "precision=bf16", bad]))
+
+
+def test_by_default_bf16_and_fp8_builtin_checks_are_judged_locally_and_an_unconfirmed_pass_is_an_error(
+        tmp_path):
     def plan(*overrides: str) -> PlannedCheck:
-        rec = compose(["parallel=tp2", "precision=bf16", *overrides])
+        rec = compose(["parallel=tp2", *overrides])
         p = PlannedCheck(rec, Path(tmp_path), "c", {}, 0.0)
         p.comparison = Comparison("pass")
         return p
 
-    assert not wants_isolation(plan())                       # a pass: no isolation pass by default
-    asked = plan("tolerance.k_local=6")
-    assert wants_isolation(asked)
-    _unjudged(asked, "the isolated job failed: rank 1 raised")
-    assert asked.comparison is None and "could not run: the isolated job failed" in str(asked.error)
-    failed = plan("tolerance.k_local=6")
+    assert not wants_isolation(plan())                       # fp32: a pass runs no isolation pass
+    assert not wants_isolation(plan("precision=bf16", "tolerance.local=off"))
+    for precision in ("bf16", "fp8"):                        # the default judges them: on every check
+        assert wants_isolation(plan(f"precision={precision}"))
+    user = plan("precision=bf16", "job.command=python train.py")
+    assert not wants_isolation(user) and "built-in trainer" in user.report["local"]["off"]
+    assert wants_isolation(plan("precision=bf16", "job.command=python train.py", "tolerance.local=on"))
+    judged = plan("precision=bf16")
+    _unjudged(judged, "the isolated job failed: rank 1 raised")
+    assert judged.comparison is None and "could not run: the isolated job failed" in str(judged.error)
+    failed = plan("precision=bf16")
     failed.comparison = Comparison("fail")
     _unjudged(failed, "x")
     assert failed.comparison.verdict == "fail" and failed.error is None   # a FAIL stands

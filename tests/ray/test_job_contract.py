@@ -285,9 +285,11 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
         paths = report_paths(stdout, tmp_path)
         return proc.returncode, json.loads(paths[-1].read_text()) if paths else {}, stdout + stderr
 
-    # Three independent judgements of one store, started together; only the first logs to MLflow.
+    # Four independent judgements of one store, started together; only the first logs to MLflow.
     clean, bug, same = (compare(), compare("--candidate", "candidate-bug", "tracking.enabled=false"),
                         compare("--perturbed", "reference,perturbed-1", "tracking.enabled=false"))
+    # The local verdict asked for on stored runs without an isolated run: an error, never a pass.
+    local = compare("tolerance.local=on", "precision=bf16", "tracking.enabled=false")
     code, report, out = result(clean)
     assert code == 0 and report["verdict"] == "pass", out
     assert report["reference"]["runs"]["perturbed"] == ["perturbed-1", "perturbed-2"]
@@ -296,6 +298,8 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
     assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
     code, _, out = result(same)
     assert code == 2 and "bit-identical to reference" in out, out
+    code, report, out = result(local)
+    assert code == 2 and "TTRACE_ROLE=isolated" in out and report["verdict"] == "error", out
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
