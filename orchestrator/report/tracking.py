@@ -222,6 +222,9 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
                      "blame_window": str(window.get("size", ""))})
     if report.get("error"):
         tags["error"] = report["error"][:5000]
+    local = report.get("local") or {}
+    if local:   # the local verdict (tracer/local_verdict.py): judged, or why not
+        tags["local"] = f"off: {local['off']}"[:5000] if "off" in local else "judged"
     if report.get("reference"):
         tags["reference.cache"] = report["reference"].get("cache", "")
         tags["reference.key"] = report["reference"].get("key", "")
@@ -238,6 +241,12 @@ def log_check(cfg: dict[str, Any], base_dir: str, report: dict[str, Any], report
         metrics.append(Metric("max_err_over_tolerance",
                               max(t["rel_err"] / t["tolerance"] for t in tensors), now, 0))
     metrics += [Metric(k, v, now, 0) for k, v in module_metrics(tensors).items()]
+    if "judged" in local:
+        worst = (local.get("worst") or {}).get("local_err", 0.0)
+        along = abs((local.get("worst_scale") or {}).get("local_scale", 0.0))
+        metrics += [Metric(k, min(float(v), 1e300), now, 0) for k, v in (
+            ("local.judged", local["judged"]), ("local.failed", local["failed"]), ("local.worst", worst),
+            ("local.worst_scale", along))]
     for key, val in report.get("timings", {}).items():
         if isinstance(val, (int, float)):
             metrics.append(Metric(f"seconds.{key}", float(val), now, 0))

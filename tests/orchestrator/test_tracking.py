@@ -24,6 +24,8 @@ def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_ru
     assert "verdict" not in run.data.tags   # not judged yet
 
     report = reports[0]
+    report["local"] = {"mode": "auto", "judged": 3, "failed": 0, "worst": {"name": "a", "local_err": 2.5},
+                       "worst_scale": {"name": "b", "local_scale": -0.1}}
     report.update(verdict="pass", first_divergence=None, tensors=[
         {"index": i, "kind": "output", "module_type": "Linear", "rel_err": 1e-7, "tolerance": 1e-6,
          "ok": True} for i in range(3)])
@@ -33,6 +35,8 @@ def test_a_checks_run_is_open_while_its_jobs_run_and_its_report_finishes_that_ru
     run = client.get_run(ids["c1"])
     assert run.info.status == "FINISHED" and run.data.tags["verdict"] == "pass"
     assert len(client.get_metric_history(ids["c1"], "rel_err")) == 3
+    assert run.data.tags["local"] == "judged"   # the local verdict, in the UI: judged or why not
+    assert run.data.metrics["local.worst"] == 2.5 and run.data.metrics["local.worst_scale"] == 0.1
     runs = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")
     assert sorted(r.info.run_id for r in runs) == sorted(ids.values())   # one run per check, no more
 
