@@ -422,3 +422,36 @@ def test_one_grad_element_10_percent_off_in_bf16_exits_1(ray_cluster, adam_check
     r = ref.tensors[name].tensor.double()
     (at,) = (iso != r).nonzero()
     assert abs(float(iso[tuple(at)] / r[tuple(at)]) - 1.1) < 0.01
+
+
+def test_the_scale_band_judges_a_checks_first_two_steps_only(tmp_path):
+    """The scale band (GEMM rounding draws) is calibrated on a check's first two traced steps; from the
+    third on, honest excursions outgrow its floor (a clean 3-step bf16 tp2 check failed at step 2), so
+    a scale is judged by k_scale alone there. Hand-built runs of 3 steps, the perturbed ones marked as
+    rounding draws: steps 0 and 1 get a finite band, step 2 none, and the other scale rule stays."""
+    from tracer import Tracer
+
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(64, 32, generator=g) for _ in range(3)]
+
+    def run(name: str, noise: float, perturbation: str | None = None) -> None:
+        meta = {"fingerprint": "f", **({"perturbation": perturbation} if perturbation else {})}
+        tr = Tracer(str(tmp_path), name, 0, coords={}, sizes={}, meta=meta)
+        for step in range(3):
+            with tr.step(step), tr.microbatch(0):
+                tr.record("fc", "output", base[step] + noise * torch.randn(64, 32, generator=g))
+        tr.close()
+
+    run("reference", 0.0)
+    for i in (1, 2, 3):
+        run(f"perturbed-{i}", 1e-3, "gemm")
+    run("candidate", 1e-3)
+    load = lambda r: load_logical(str(tmp_path), r, 1)
+    res = compare(load("reference"), load("candidate"), [load(f"perturbed-{i}") for i in (1, 2, 3)],
+                  TolerancePolicy())
+    by_step = {r.step: r for r in res.results}
+    assert sorted(by_step) == [0, 1, 2]
+    for step in (0, 1):
+        assert all(math.isfinite(b) for b in by_step[step].scale_band), by_step[step]
+    assert by_step[2].scale_band == (-math.inf, math.inf)
+    assert math.isfinite(by_step[2].scale_tolerance)
