@@ -42,7 +42,14 @@ sys.path.insert(0, str(ROOT))
 from orchestrator import cluster, recipe, routing  # noqa: E402
 from tracer.compare import compare  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
-from tracer.local_verdict import K_LOCAL, K_LOCAL_SCALE, local_error, local_errors  # noqa: E402
+from tracer.local_verdict import (  # noqa: E402
+    K_LOCAL,
+    K_LOCAL_SCALE,
+    judged_tensors,
+    local_error,
+    local_errors,
+    summary,
+)
 from tracer.logical import load_logical  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
@@ -358,11 +365,11 @@ def local_corruption(ref: Any, iso: Any, prec: str) -> list[dict]:
     study's probes, each applied to the isolated run as well (a bug acts in every run of the
     candidate's code): the smallest delta that fails a tensor it judges (first step's tensors with a
     row-column view: the layer's weight grads, not its norms' and biases')."""
-    judged = local_errors(ref, iso, prec)
-    grads = [n for n in judged if ref.info[n]["kind"] == "param_grad" and n.split("/")[2].startswith(LAYER)]
+    names = judged_tensors(ref)
+    grads = [n for n in names if ref.info[n]["kind"] == "param_grad" and n.split("/")[2].startswith(LAYER)]
     probes: list[tuple[str, list[str], tuple | None]] = [("layer_grads", grads, None)]
     for name, shard_dim in TARGETS:
-        if name in judged:
+        if name in names:
             probes += [("scale", [name], None),
                        ("element", [name], _element(ref.tensors[name].tensor, shard_dim))]
     out = []
@@ -395,12 +402,8 @@ def local_verdict(ref: Any, url: str, par: str, prec: str) -> dict[str, Any] | N
         print(f"bench: {url}: no complete isolated trace of {par}; its local verdict is not counted",
               flush=True)
         return None
-    errs = local_errors(ref, load_logical(url, f"iso-{par}", ws), prec)
-    worst = max(errs, key=lambda n: errs[n].elem, default=None)
-    along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
-    return {"judged": len(errs), "max": errs[worst].elem if worst else 0.0, "at": worst,
-            "max_scale": abs(errs[along].scale) if along else 0.0, "scale_at": along,
-            "ok": all(e.ok(K_LOCAL) for e in errs.values())}
+    got = summary(local_errors(ref, load_logical(url, f"iso-{par}", ws), prec), K_LOCAL)
+    return {**got, "ok": got["failed"] == 0}
 
 
 def main() -> int:
@@ -555,10 +558,11 @@ def local_summary(verdicts: list[dict]) -> dict[str, Any]:
     for v in judged:
         best = out["honest_max"].setdefault(v["precision"], {"max": -1.0, "max_scale": -1.0})
         where = f"{v['family']} {v['parallel']}"
-        if v["local"]["max"] > best["max"]:
-            best["max"], best["at"] = v["local"]["max"], f"{where} {v['local']['at']}"
-        if v["local"]["max_scale"] > best["max_scale"]:
-            best["max_scale"], best["scale_at"] = v["local"]["max_scale"], f"{where} {v['local']['scale_at']}"
+        worst, along = v["local"]["worst"], v["local"]["worst_scale"]
+        if worst and worst["local_err"] > best["max"]:
+            best["max"], best["at"] = worst["local_err"], f"{where} {worst['name']}"
+        if along and abs(along["local_scale"]) > best["max_scale"]:
+            best["max_scale"], best["scale_at"] = abs(along["local_scale"]), f"{where} {along['name']}"
     return out
 
 
@@ -647,8 +651,8 @@ def print_tables(res: dict) -> None:
               f"{lv['not_judged'] or 'none'}")
         for v in cm["verdicts"]:
             if v.get("local") and not v["local"]["ok"]:
-                print(f"  local FP {v['family']} {v['precision']} {v['parallel']}: {v['local']['at']} "
-                      f"{v['local']['max']:.3g}, {v['local']['scale_at']} {v['local']['max_scale']:.3g}")
+                print(f"  local FP {v['family']} {v['precision']} {v['parallel']}: {v['local']['failed']} "
+                      f"tensors; worst {v['local']['worst']}, along itself {v['local']['worst_scale']}")
     print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
     for prec, c in res["calibration"]["ratios"].items():
         n, e = c["norm_ratio_all"], c["elem_ratio_all"]

@@ -17,7 +17,7 @@ from orchestrator.rank_logs import log_dir
 from tracer.compare import compare
 from tracer.errors import TTraceError
 from tracer.isolation import name_culprit
-from tracer.local_verdict import K_LOCAL_SCALE, k_local, local_errors, local_mode, reason, why_not
+from tracer.local_verdict import K_LOCAL_SCALE, k_local, local_errors, local_mode, reason, summary, why_not
 from tracer.logical import load_logical
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison
@@ -132,14 +132,8 @@ def judge_locally(p: PlannedCheck, reference: Any, isolated: Any) -> None:
     if bad:
         p.comparison = Comparison("fail", p.comparison.results, min(bad, key=lambda r: r.index))
     p.report.update(p.comparison.to_json())
-    worst = max(errs, key=lambda n: errs[n].elem, default=None)
-    along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
     p.report["local"] = {"mode": local_mode(p.rec), "k_local": k, "k_local_scale": K_LOCAL_SCALE,
-                         "judged": len(errs),
-                         "failed": sum(not e.ok(k) for e in errs.values()),
-                         "worst": None if worst is None else {"name": worst, "local_err": errs[worst].elem},
-                         "worst_scale": None if along is None else {"name": along,
-                                                                    "local_scale": errs[along].scale}}
+                         **summary(errs, k)}
 
 
 def _unjudged(p: PlannedCheck, why: str) -> None:

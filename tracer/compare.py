@@ -193,8 +193,7 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     # 2-step checks). Later, honest excursions outgrow its floor (a clean 3-step bf16 tp2 check, seed
     # 77: a step-2 weight grad at 0.5x its norm-wise noise along itself, past the band's 0.25x):
     # from the third step on, a scale is judged by k_scale alone.
-    first = min((int(reference.info[n]["step"]) for n in reference.order
-                 if int(reference.info[n]["step"]) >= 0), default=0)
+    first = reference.first_step()
     banded = lambda step: draws and int(step) < first + BANDED_STEPS
 
     # Excused param elements are bounded by what the optimizer can do to them: an update flipped by

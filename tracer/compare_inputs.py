@@ -89,7 +89,7 @@ def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order. The row-column
     metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape)."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    first = min((int(e["step"]) for e in reference.info.values() if int(e["step"]) >= 0), default=0)
+    first = reference.first_step()
     key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
                                         rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first))
     return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]

@@ -58,21 +58,18 @@ def local_unit(dtype: str | torch.dtype, precision: str) -> float:
     return max(u, unit_roundoff(torch.bfloat16)) if precision in ("bf16", "fp8") else u
 
 
+def judged_tensors(reference: Any) -> list[str]:
+    """The tensors the local verdict judges (module doc), in execution order."""
+    first, info = reference.first_step(), reference.info
+    return [n for n in reference.order if info[n]["step"] == first and info[n]["kind"] in LOCAL_KINDS
+            and rowcol_shape(reference.shape(n), info[n]["kind"]) is not None]
+
+
 def local_errors(reference: Any, isolated: Any, precision: str) -> dict[str, LocalError]:
-    """{tensor name: its LocalError} for every judged tensor (module doc) of a run in `precision`; a
-    non-finite isolated value reads as inf."""
-    # the first step with module tensors (initial params are traced at step -1)
-    first = min((reference.info[n]["step"] for n in reference.order
-                 if reference.info[n]["kind"] in LOCAL_KINDS), default=0)
-    out: dict[str, LocalError] = {}
-    for name in reference.order:
-        info = reference.info[name]
-        if info["step"] != first or info["kind"] not in LOCAL_KINDS:
-            continue
-        if rowcol_shape(reference.shape(name), info["kind"]) is None:
-            continue
-        out[name] = local_error(reference.tensors[name].tensor, isolated.tensors[name].tensor, precision)
-    return out
+    """{tensor name: its LocalError} for every judged tensor of a run in `precision`; a non-finite
+    isolated value reads as inf."""
+    return {n: local_error(reference.tensors[n].tensor, isolated.tensors[n].tensor, precision)
+            for n in judged_tensors(reference)}
 
 
 def local_error(r: torch.Tensor, x: torch.Tensor, precision: str) -> LocalError:
@@ -84,6 +81,16 @@ def local_error(r: torch.Tensor, x: torch.Tensor, precision: str) -> LocalError:
     d = x.double() - r64
     norm = float(r64.square().sum())
     return LocalError(own_err(d, r, u), float((d * r64).sum()) / norm / u if norm > 0 else 0.0)
+
+
+def summary(errs: dict[str, LocalError], k_local: float) -> dict[str, Any]:
+    """A run's local errors at a glance: how many tensors were judged and failed, and the worst by
+    each rule (name and figure; the scale signed)."""
+    worst = max(errs, key=lambda n: errs[n].elem, default=None)
+    along = max(errs, key=lambda n: abs(errs[n].scale), default=None)
+    return {"judged": len(errs), "failed": sum(not e.ok(k_local) for e in errs.values()),
+            "worst": None if worst is None else {"name": worst, "local_err": errs[worst].elem},
+            "worst_scale": None if along is None else {"name": along, "local_scale": errs[along].scale}}
 
 
 def reason(err: LocalError, k_local: float) -> str:

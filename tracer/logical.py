@@ -60,6 +60,10 @@ class LogicalTrace:
             got = self._shapes[name] = tuple(shape)
         return got
 
+    def first_step(self) -> int:
+        """The first traced step (initial parameters, traced at step -1, left out; 0 if none)."""
+        return min((s for e in self.info.values() if (s := int(e["step"])) >= 0), default=0)
+
     @property
     def stored_bytes(self) -> int:
         """Bytes of the part files a lazily opened run has still to read (0 once read whole)."""
