@@ -18,7 +18,7 @@ from tracer.logical import LogicalTrace
 from tracer.measure import measure
 from tracer.reference_side import ReferenceSide
 from tracer.stats_compare import compare_stats
-from tracer.tolerance import TolerancePolicy, unit_roundoff
+from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison, TensorResult
 
 
@@ -184,10 +184,11 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
     pooled: dict[tuple, tuple[float, ...]] = {}
-    for name in reference.order:
-        st, f = stats[name], pooled.get(family(name), (0.0,) * 5)
-        pooled[family(name)] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise,
-                                                  st.scale_spread)))
+    families = [family(name) for name in reference.order]
+    for name, fam in zip(reference.order, families, strict=True):
+        st, f = stats[name], pooled.get(fam, (0.0,) * 5)
+        pooled[fam] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise,
+                                         st.scale_spread)))
     draws = rounding_draws(perturbed)
     # The scale band is calibrated on a check's first two traced steps (every bench and matrix runs
     # 2-step checks). Later, honest excursions outgrow its floor (a clean 3-step bf16 tp2 check, seed
@@ -212,10 +213,10 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
 
     depth_of: dict[str, int] = {}
     results: list[TensorResult] = []
-    for index, (name, key) in enumerate(zip(reference.order, keys, strict=True)):
-        e, st, got = reference.info[name], stats[name], replicas[name]
+    for index, (name, key, fam) in enumerate(zip(reference.order, keys, families, strict=True)):
+        e, st, got, shape = reference.info[name], stats[name], replicas[name], reference.shape(name)
         depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise, rc_noise, own_noise, spread = pooled[family(name)]
+        noise, e_noise, rc_noise, own_noise, spread = pooled[fam]
         tol = policy.tolerance([noise], e["dtype"])
         res = TensorResult(
             name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
@@ -231,12 +232,11 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
             rowcol_tolerance=policy.rowcol_tolerance([rc_noise], key.rowcol),
             own_err=_finite(st.own_err), own_noise=st.own_noise,
             scale_err=_finite(st.scale_err),
-            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], reference.shape(name)),
-            scale_band=policy.scale_band(st.scale_mean, spread, noise, e["dtype"], e["kind"],
-                                         reference.shape(name), banded(e["step"])),
-            excused_fraction=st.excused / max(1, math.prod(reference.shape(name))),
-            excused_dev=_finite(st.excused_dev),
-            excused_bound=bound(st, e["step"], unit_roundoff(e["dtype"])),
+            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], shape),
+            scale_band=policy.scale_band(st.scale_mean, spread, noise, e["dtype"], e["kind"], shape,
+                                         banded(e["step"])),
+            excused_fraction=st.excused / max(1, key.numel), excused_dev=_finite(st.excused_dev),
+            excused_bound=bound(st, e["step"], key.unit),
             beyond=st.beyond, beyond_noise=st.beyond_noise)
         res.own_tolerance, res.joint_tolerance = policy.own_tolerances(own_noise, rc_noise, key.rowcol, draws)
         if name in arriving.mismatch:

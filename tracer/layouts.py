@@ -72,6 +72,13 @@ class Layout:
         return out
 
 
+def axes_known(layout: Mapping[str, Any], sizes: Mapping[str, int]) -> bool:
+    """Does the run's mesh (`sizes`) hold every axis a manifest's layout (`Layout.to_json`) shards or
+    sums over?"""
+    return all(ax in sizes for _, ax in layout.get("shard", ())) and all(
+        ax in sizes for ax in layout.get("partial", ()))
+
+
 def Replicate() -> Layout:  # noqa: N802 - reads like torch's placements
     return Layout()
 

@@ -18,7 +18,7 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
-from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.layouts import Assembled, Layout, Piece, assemble, axes_known
 from tracer.rank_spans import assemble_chunk, exactly_scaled, joined, plan_chunk, runs_by
 from tracer.safetensors_views import PartTensors
 from tracer.store import READ_THREADS, RankTrace, read_run
@@ -139,22 +139,23 @@ class StoredTensors(Mapping[str, Assembled]):
         self._keys: dict[tuple[int, str], set[str]] = {}        # (rank, part file) -> keys it must hold
         self._files: dict[int, list[str]] = {}                  # rank -> its part files in order
         self._position: dict[tuple[int, str], int] = {}        # (rank, part file) -> index in its files
-        for rt in ranks:
-            self._files[rt.rank] = [f["file"] for f in rt.manifest["files"]]
-            self._position.update({(rt.rank, f): i for i, f in enumerate(self._files[rt.rank])})
-            listed = set(self._files[rt.rank])
+        info, pieces, keys = self.info, self._pieces, self._keys
+        for rt in sorted(ranks, key=lambda rt: rt.rank):   # info: the lowest rank's entry, seen first
+            rank = rt.rank
+            files = self._files[rank] = [f["file"] for f in rt.manifest["files"]]
+            self._position.update({(rank, f): i for i, f in enumerate(files)})
+            listed = {f: keys.setdefault((rank, f), set()) for f in files}
             for e in rt.entries:
-                if "stats" in e:    # stats mode: no values stored (tracer/stats.py)
-                    pass
-                elif e.get("file") not in listed:
-                    raise TraceError(f"run '{run}' rank {rt.rank}: manifest lists tensor '{e['key']}' in "
-                                     f"part {e['file']}, which it does not commit; the trace is incomplete, "
-                                     "rerun the job")
-                else:
-                    self._keys.setdefault((rt.rank, e["file"]), set()).add(e["key"])
-                self._pieces.setdefault(e["name"], []).append((rt, e))
-                if e["name"] not in self.info or rt.rank < self.info[e["name"]]["rank"]:
-                    self.info[e["name"]] = dict(e, rank=rt.rank)
+                name = e["name"]
+                if "stats" not in e:    # stats mode: no values stored (tracer/stats.py)
+                    part = listed.get(e.get("file"))
+                    if part is None:
+                        raise TraceError(f"run '{run}' rank {rank}: manifest lists tensor '{e['key']}' in "
+                                         f"part {e.get('file')}, which it does not commit; the trace is "
+                                         "incomplete, rerun the job")
+                    part.add(e["key"])
+                pieces.setdefault(name, []).append((rt, e))
+                info.setdefault(name, e)
         self._parts: dict[tuple[int, str], Future] = {}         # parts read or being read
         self._ready: dict[tuple[int, str], PartTensors] = {}   # ... and their tensors, once read
         self._left: dict[tuple[int, str], int] = {}            # their tensors not assembled yet
@@ -234,18 +235,17 @@ class StoredTensors(Mapping[str, Assembled]):
 
     def _view(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
         """A single-rank run's span: ([its part], one view of it), or ([], None)."""
-        first = self._pieces[names[0]][0]
+        pieces, sizes = self._pieces, self.sizes
+        first = pieces[names[0]][0]
         rt, file = first[0], first[1].get("file")
         keys = []
-        for name in names:
-            (piece,) = self._pieces[name]
+        for name in names:   # per tensor of every chunk of every reference run: kept lean
+            (piece,) = pieces[name]
             e = piece[1]
-            if e.get("file") != file or float(e.get("scale", 1.0)) != 1.0:
-                return [], None
             layout = e["layout"]
-            if any(ax not in self.sizes for _, ax in layout.get("shard", ())) or any(
-                    ax not in self.sizes for ax in layout.get("partial", ())):
-                return [], None   # the lookup raises the layout's error
+            if e.get("file") != file or e.get("scale", 1.0) != 1.0 or (
+                    (layout.get("shard") or layout.get("partial")) and not axes_known(layout, sizes)):
+                return [], None   # the lookup raises a layout's error
             keys.append(e["key"])
         part = (rt.rank, file)
         return [(rt, part)], self._part(rt, part).span(keys)

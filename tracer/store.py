@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import orjson
 from fsspec.implementations.local import LocalFileSystem
 
 from tracer.checksum import algorithm_of, hasher
@@ -171,6 +172,16 @@ def world_size_of(root: str, run: str) -> int:
     return len(ranks)
 
 
+def parse_manifest(raw: bytes) -> Any:
+    """A manifest's JSON. orjson parses the ~2 MB of a 16x run's rank manifest in about half the time of
+    the json module; it refuses the NaN and Infinity that json.dumps writes (a stats-mode entry of a
+    tensor gone non-finite), which the json module then reads (and reports, for malformed text)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
 def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
     """Every rank's manifest of a run; a run with any rank uncommitted is an error, not partial data."""
     fs, base = _fs(root)
@@ -178,9 +189,10 @@ def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
     for rank in range(world_size):
         path = f"{base}/{run}/{rank_dir(rank)}/{MANIFEST}"
         try:
-            with fs.open(path, "r") as f:
-                with gc_paused():
-                    manifest = json.load(f)
+            with fs.open(path, "rb") as f:
+                raw = f.read()
+            with gc_paused():
+                manifest = parse_manifest(raw)
         except FileNotFoundError:
             missing.append(rank)
             continue

@@ -175,10 +175,16 @@ def test_non_finite_reference_and_perturbed_values_are_counted():
     keys, ref, cand, perts = _traces(2)
     ref["0/0/d/output"][3] = float("inf")
     perts[1]["0/0/c/output"][0] = float("nan")
+    ref["0/0/rc/output"][1, 2, 3] = float("nan")
     got = measure(keys, ref, cand, perts, K_ELEM)
     assert got["0/0/d/output"].ref_nonfinite == 1
     assert got["0/0/c/output"].perturbed_nonfinite == 1
     assert got["0/0/b/output"].ref_nonfinite == got["0/0/b/output"].perturbed_nonfinite == 0
+    # A NaN in the reference is its largest |r| (the kernels' running maxima skip NaN, then restore it):
+    # max_err of the candidate and of every perturbed run is inf, as tracer.tolerance.max_err defines it.
+    rc = "0/0/rc/output"
+    assert got[rc].ref_nonfinite == 1 and got[rc].max_err == max_err(cand[rc], ref[rc]) == math.inf
+    assert got[rc].max_noise == max(max_err(p[rc], ref[rc]) for p in perts) == math.inf
 
 
 def test_chunks_measured_on_threads_give_the_figures_of_the_walk_in_order():

@@ -387,6 +387,25 @@ def test_stats_mode_passes_a_clean_candidate_and_flags_a_scaled_or_skewed_one(tm
     assert skewed.first_divergence.kind == "loss" and "replicas" in skewed.first_divergence.reason
 
 
+def test_a_manifest_holding_non_finite_statistics_is_read_and_fails_at_that_tensor(tmp_path):
+    """json.dumps writes a diverged tensor's statistics as NaN, which orjson refuses: the manifest is
+    still read (tracer.store.parse_manifest), and the comparison fails there, not on reading."""
+    write_run(tmp_path, "reference", mode="stats")
+    write_run(tmp_path, "perturbed-0", fc_scale=1 + 2**-22, mode="stats")
+    write_run(tmp_path, "candidate", tp=2, nan=True, mode="stats")
+    assert "NaN" in (tmp_path / "candidate" / "rank00000" / "manifest.json").read_text()
+    ref, pert = load(tmp_path, "reference"), [load(tmp_path, "perturbed-0")]
+    got = compare(ref, load(tmp_path, "candidate", 2), pert, TolerancePolicy())
+    assert got.verdict == "fail" and got.first_divergence.name == "0/0/out/output"
+    assert not math.isfinite(got.first_divergence.rel_err) or "non-finite" in got.first_divergence.reason
+
+
+def test_a_manifest_that_is_not_json_is_an_error_naming_it(traces):
+    (traces / "perturbed-0" / "rank00000" / "manifest.json").write_text('{"format": "ttrace-trace/2", "entr')
+    with pytest.raises(TraceError, match=r"perturbed-0/rank00000/manifest.json is not valid JSON"):
+        load(traces, "perturbed-0")
+
+
 def test_a_stats_candidate_is_judged_against_a_full_reference(traces):
     """A full-mode run contributes its reassembled tensors' statistics (stats of the same tensors)."""
     write_run(traces, "candidate", tp=2, mode="stats")

@@ -14,7 +14,7 @@ from tracer.kernels.loops import (
     count_nonfinite,
     deviations,
     largest,
-    nanmax,
+    max_into,
     own_into,
     ratios_into,
     view,
@@ -33,6 +33,7 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
     out = np.zeros((7, T))
     dc2, dc_max, r_dc, elem, nonfinite, rc_err, own = out
     a, w, mt, acc, acc_rc = np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE)
+    da = np.zeros(TILE)   # running maxima of |c - r| per piece position (vectorizes; see reference.py)
     for t in range(T):
         s0, n, u = U(starts[t]), lens[t], units[t]
         nr, nc, viewed = view(n, rows[t], cols[t])
@@ -42,7 +43,8 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
         cs = np.zeros(nc if viewed else 0)
         a0, c0 = a_off[t], U(c_off[t])
         w_rms = rc_rms[t]
-        s2, dot, dmax = 0.0, 0.0, 0.0
+        s2, dot = 0.0, 0.0
+        da[:] = 0.0
         acc[:] = 0.0
         acc_rc[:] = 0.0
         for i in range(nr):
@@ -52,7 +54,7 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
                 d2, dr = deviations(c, r, lo, m, judged, masked, a, U(0))
                 s2 += d2
                 dot += dr
-                dmax = nanmax(dmax, largest(a, m))
+                max_into(da, a, U(0), m)
                 for j in range(U(m)):
                     w[j] = np.float64(env[lo + j]) + (abs(np.float64(r[lo + j])) + rms_t) * room_rel
                 ratios_into(acc, a, U(0), w, m)
@@ -65,7 +67,8 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
                         mt[j] = u * (abs(np.float64(r[lo + j])) + w_rms)
                         w[j] = af * cf_all[c0 + co + j] + mt[j]
                     ratios_into(acc_rc, a, U(0), w, m)
-        dc2[t], dc_max[t], r_dc[t] = s2, dmax, dot
+        # max_into skips NaN, the sum of squares does not: a NaN deviation makes the largest NaN.
+        dc2[t], dc_max[t], r_dc[t] = s2, largest(da, TILE) if s2 == s2 else s2, dot
         elem[t] = largest(acc, TILE)
         rc_err[t] = largest(acc_rc, TILE)
         if masked or not math.isfinite(s2):
