@@ -40,6 +40,7 @@ def _tensors() -> dict[str, torch.Tensor]:
         "t": big.t(),                                                # not contiguous
         "o": big[3:5],                                               # contiguous, storage offset > 0
         "n": torch._neg_view(torch.randn(4, 3, generator=g)),        # lazy negation: its bytes are -x's
+        "m": torch.randn(4, 3, generator=g, dtype=torch.complex64).conj().imag,   # the same, public API
         "w": _Wrapped(torch.randn(6, 2, generator=g)),               # a subclass: no bytes of its own
         "big": torch.randn(40, 40, generator=g),                     # larger than a slab
     }
