@@ -108,9 +108,7 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
                              "scan), not a trace to reassemble: `ttrace scan` judges it")
         stored = StoredTensors(run, ranks)
         info = stored.info
-        # Execution order: by step, then the record order of the lowest rank holding the tensor (the
-        # reference has a single rank, whose order is the one the comparison walks).
-        order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))
+        order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))   # lowest rank's record order
         trace = LogicalTrace(run, world_size, ranks[0].manifest.get("meta", {}), order, info, stored,
                              dict(stored.sizes), mode)
         if not lazy:
@@ -199,20 +197,25 @@ class StoredTensors(Mapping[str, Assembled]):
 
     def span(self, names: Sequence[str]) -> torch.Tensor | None:
         """The tensors `names`, reassembled, as one flat tensor where every rank recorded them back to
-        back in this order (its parts hold its records in record order, the order a comparison
-        walks): a single-rank run's is a view of its part (no copy), a multi-rank run's one pass over
-        its ranks' parts (tracer/rank_spans.py), replicas bitwise equal. Runs of several dtypes (a bf16
-        run's fp32 grads) are read one by one and joined, in the widest dtype. None otherwise (a part
-        boundary: a walk holds one part per rank; other scales or layouts, replicas that differ)."""
+        back in this order (the order a comparison walks): a single-rank run's is a view of its part,
+        a multi-rank run's one pass over its ranks' parts (tracer/rank_spans.py), replicas bitwise
+        equal. Runs of several dtypes (a bf16 run's fp32 grads) or of two parts per rank (~5% of a 16x
+        comparison's chunks straddle a part boundary) are read one by one and joined, in the widest
+        dtype. None otherwise (more parts: a walk holds at most two per rank and those read ahead;
+        other scales or layouts, replicas that differ)."""
         pieces, held = [], []
-        for group in runs_by(names, lambda n: self.info[n].get("dtype")):
+        info, where = self.info, self._pieces
+        groups = runs_by(names, lambda n: (info[n].get("dtype"), *(e.get("file") for _, e in where[n])))
+        per_rank = [r for r, _ in {(rt.rank, e.get("file")) for g in groups for rt, e in where[g[0]]}]
+        if any(per_rank.count(r) > 2 for r in per_rank):   # before any part is read
+            return None
+        for group in groups:
             parts, whole = self._view(group) if len(self._files) == 1 else self._assembled(group)
             if whole is None:
                 return None
             pieces.append(whole)
             held += [(part, len(group)) for _, part in parts]
-        parts = {part for part, _ in held}   # (rank, file): one per rank
-        out = joined(pieces) if len(parts) == len({rank for rank, _ in parts}) else None
+        out = joined(pieces)
         for part, n in held if out is not None else ():
             self._consumed(part, n)
         return out

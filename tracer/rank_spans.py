@@ -170,9 +170,9 @@ def runs_by(names: Sequence[str], key: Callable[[str], Any]) -> list[list[str]]:
 
 
 def joined(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The spans of consecutive dtype runs as one flat tensor: the one span itself, else all of them
-    in float32 (float64 if one is; both hold every float dtype exactly, and the comparison works in
-    that dtype anyway); None for a non-float span."""
+    """Consecutive spans (each a run of one dtype in one part per rank) as one flat tensor: the one
+    span itself, else all of them in float32 (float64 if one is; both hold every float dtype exactly,
+    and the comparison works in that dtype anyway); None for a non-float span."""
     if len(pieces) == 1:
         return pieces[0]
     if not all(p.dtype.is_floating_point for p in pieces):

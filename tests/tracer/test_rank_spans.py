@@ -105,17 +105,25 @@ def test_a_chunk_of_several_dtypes_is_joined_in_float32_or_float64(tmp_path, wor
         assert torch.equal(got, torch.cat(logical[:len(chunk)]))
 
 
-def test_a_chunk_is_read_whole_only_from_one_part_per_rank(tmp_path):
-    """A walk holds one part per rank (tracer.logical): dtype runs that lie in different parts (here
-    one part per record) are looked up one by one instead."""
+def test_a_chunk_is_read_whole_from_up_to_two_parts_per_rank(tmp_path):
+    """A chunk that straddles a part boundary (here one part per record) is read part by part and
+    joined; one spread over more parts is looked up one by one (a walk holds at most two parts per
+    rank, tracer.logical). Both give the tensors' values, and a part is dropped once read."""
     tr = Tracer(str(tmp_path), "parts", 0, coords={}, sizes={}, meta={"fingerprint": "spans"}, flush_bytes=1)
     with tr.step(0):
         tr.record("a", "output", FULL["a"][0], Layout())
         tr.record("b", "output", FULL["b"][0].to(torch.bfloat16), Layout())
+        tr.record("c", "output", FULL["c"][0], Layout())
     tr.close()
     names = _lazy(tmp_path, "parts", 1).order
-    assert _lazy(tmp_path, "parts", 1).tensors.span(names) is None
-    assert _lazy(tmp_path, "parts", 1).tensors.span(names[1:]) is not None
+    want = [FULL[p][0].reshape(-1).float() for p in "abc"]
+    want[1] = FULL["b"][0].to(torch.bfloat16).reshape(-1).float()
+    assert _lazy(tmp_path, "parts", 1).tensors.span(names) is None   # three parts
+    two = _lazy(tmp_path, "parts", 1).tensors
+    got = two.span(names[:2])
+    assert got is not None and got.dtype == torch.float32 and torch.equal(got, torch.cat(want[:2]))
+    read = {(0, two.pieces(n)[0][1]["file"]) for n in names[:2]}
+    assert len(read) == 2 and not read & set(two._parts)   # both parts dropped once their tensors were read
 
 
 def test_records_scaled_by_powers_of_two_are_scaled_exactly_in_the_pass_or_left_to_lookups(tmp_path):
