@@ -237,7 +237,7 @@ class StoredTensors(Mapping[str, Assembled]):
         return parts, assemble_chunk(plan, spans, len(names))
 
     def _view(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
-        """A single-rank run's span: ([its part], one view of it), or ([], None)."""
+        """One rank's span of tensors in one part (`span` groups them): ([part], view) or ([], None)."""
         pieces, sizes = self._pieces, self.sizes
         first = pieces[names[0]][0]
         rt, file = first[0], first[1].get("file")
@@ -246,7 +246,7 @@ class StoredTensors(Mapping[str, Assembled]):
             (piece,) = pieces[name]
             e = piece[1]
             layout = e["layout"]
-            if e.get("file") != file or e.get("scale", 1.0) != 1.0 or (
+            if e.get("scale", 1.0) != 1.0 or (
                     (layout.get("shard") or layout.get("partial")) and not axes_known(layout, sizes)):
                 return [], None   # the lookup raises a layout's error
             keys.append(e["key"])
