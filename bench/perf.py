@@ -537,8 +537,8 @@ COMMAND_JOB = ["job.command=python examples/ddp_by_hand/train.py", "parallel=dp2
 def command_check_latency(tmp: Path, rounds: int) -> dict[str, Any]:
     """A user's script as a command job (examples/ddp_by_hand, dp2, R=3, MLflow on) on the warm cluster
     check_latency uses. `before`: each rank a fresh interpreter (job.warm_start=false, as before
-    warm_python.py); `after`: forked from a warm worker of the pool. The first `after` check starts
-    the pool's workers (`after_first_check_s`, beside the medians of the warm ones); then interleaved,
+    warm_python.py); `after`: forked by the pool's rank host. The first `after` check starts
+    the host (`after_first_check_s`, beside the medians of the warm ones); then interleaved,
     `rounds` each, every check with a fresh store."""
     # The script's path is relative to the checkout (the check's base directory).
     one = lambda tag, warm: _timed_check([*COMMAND_JOB, f"job.warm_start={str(warm).lower()}"], tmp,

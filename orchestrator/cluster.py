@@ -27,7 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.rank_logs import node_id
-from orchestrator.rank_tasks import rank_task, rendezvous, worker_env
+from orchestrator.rank_tasks import rank_host, rank_task, rendezvous, worker_env
 from tracer.errors import ConfigError, JobError
 
 MIN_LOCAL_CPUS = 8  # logical CPUs of a local cluster, so 8-rank recipes fit on a laptop
@@ -206,21 +206,27 @@ def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
     # The rendezvous result is passed as an ObjectRef: Ray resolves it before the ranks start, so
     # launching never blocks the scheduling loop.
     rdzv = rendezvous.options(scheduling_strategy=strategy(0)).remote()
-    local = _local_ranks(pg, job.world_size)
-    task, options = rank_task(job.spec)
+    nodes = _bundle_nodes(pg, job.world_size)
+    local = _local_ranks(nodes)
+    task, pool = rank_task(job.spec)
+    host = lambda i: (rank_host(pool, nodes[i]),) if pool else ()   # its pool's host forks it (rank_tasks)
     return [task.options(scheduling_strategy=strategy(i), num_cpus=pg.bundle_specs[i]["CPU"],
-                         num_gpus=pg.bundle_specs[i].get("GPU", 0), **options)
-            .remote(job.spec, i, job.world_size, rdzv, local[i]) for i in range(job.world_size)]
+                         num_gpus=pg.bundle_specs[i].get("GPU", 0))
+            .remote(job.spec, i, job.world_size, rdzv, local[i], *host(i)) for i in range(job.world_size)]
 
 
-def _local_ranks(pg: Any, world_size: int) -> list[tuple[int, int]]:
-    """(LOCAL_RANK, LOCAL_WORLD_SIZE) of every rank: its index among the job's bundles on its node."""
+def _bundle_nodes(pg: Any, world_size: int) -> list[str]:
+    """The node each of the job's bundles was placed on (its placement group is ready)."""
     try:
         nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
     except Exception:
         nodes = {}
-    node = [nodes.get(i, "") for i in range(world_size)]
-    return [(node[:i].count(node[i]), node.count(node[i])) for i in range(world_size)]
+    return [nodes.get(i, "") for i in range(world_size)]
+
+
+def _local_ranks(node: list[str]) -> list[tuple[int, int]]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) of every rank: its index among the job's bundles on its node."""
+    return [(node[:i].count(node[i]), node.count(node[i])) for i in range(len(node))]
 
 
 def _failed(ref: ray.ObjectRef) -> bool:

@@ -108,7 +108,7 @@ def _run_command(job: Mapping[str, Any], env: Mapping[str, str], log: RankLog, r
     argv = command_argv(str(job["command"]), {**os.environ, **env})
     cwd = job.get("workdir") or None
     try:
-        # In a worker of the warm pool (rank_tasks.rank_task sent it there): the rank is its fork.
+        # In a fork of a rank host (rank_tasks.rank_task sent it there): the rank is a fork of that.
         if os.environ.get(HOST_ENV) and warm_python.warm_start(job, argv):
             proc: Any = warm_python.start(argv, cwd, _child_env(job, env))
         else:

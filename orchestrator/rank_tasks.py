@@ -1,9 +1,18 @@
-"""What Ray runs for one rank: the rendezvous task and the rank tasks (scheduling: cluster.py).
+"""What Ray runs for one rank: the rendezvous task, the rank tasks, and the rank hosts that fork the
+ranks needing a fresh process (scheduling: cluster.py).
 
 The built-in trainer's ranks run in a warm Ray worker itself. Every other job gets a fresh process per
-rank: a command's own child process, forked from a warm worker of the pool for `python SCRIPT`
-(warm_python.py), and for an in-process entrypoint forked from a warm worker of its own pool
-(forked_rank.py).
+rank, forked by the *rank host* of its pool on the rank's node (forked_rank.py): a Ray actor that
+imports torch (and ttrace's adapter) once and forks every rank of that pool, `python SCRIPT` commands
+(warm_python.py) and in-process entrypoints alike. The rank's task holds the rank's place in the job's
+placement group and waits for its fork; stopping the job kills that task, and the fork dies with it.
+
+One host per pool and node, not one warm worker per concurrent rank: Ray starts a worker for every
+rank task it runs at once, and a check runs 1 + R + 1 jobs at once (plus an isolation pass). Each such
+worker paid Ray, torch and the adapter (5-7 s of CPU) to fork one or two ranks: a clean HF check and a
+bug check started 8 of them and 7 more for the rendezvous tasks (whose workers the rank tasks now
+share). This module imports nothing heavy at the top: a worker that only runs a rendezvous or waits
+for a hosted rank never imports torch.
 """
 
 from __future__ import annotations
@@ -14,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.forked_rank import HOST_ENV, host_key, run_forked
-from orchestrator.jobs import BUILTIN_ENTRYPOINT, command_argv
-from orchestrator.rank_logs import node_id
-from orchestrator.warm_python import warm_start
+# Variables Ray sets for a rank task's accelerators: a hosted rank (forked by an actor that holds
+# none) takes them from its task.
+DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+HOST_FORKS = 128   # ranks one host forks and waits for at once (its thread pool; more would queue)
 
 
 def worker_env() -> dict[str, str]:
@@ -60,35 +70,78 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str,
     return run_rank(spec, rank, world_size, *rdzv, *local)
 
 
-def _run_rank_forked(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
-                     local: tuple[int, int]) -> dict[str, Any]:
-    from orchestrator.jobs import run_rank
+def _run_rank_hosted(spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
+                     local: tuple[int, int], host: Any) -> dict[str, Any]:
+    """The rank, forked by `host` (a RankHost on this node); this task waits for it. The fork watches
+    this process and dies with it (forked_rank.py): a stopped job stops its hosted ranks."""
+    devices = {k: os.environ[k] for k in DEVICE_ENV if k in os.environ}
+    try:
+        return ray.get(host.run.remote(spec, rank, world_size, rdzv, local, os.getpid(), devices))
+    except ray.exceptions.RayTaskError as e:   # what the rank raised, as an in-worker rank's would read
+        from orchestrator.forked_rank import ChildTraceback
 
-    return run_forked(run_rank, spec, rank, world_size, *rdzv, *local, node=node_id())
+        raise e.cause from ChildTraceback(str(e))
+    except ray.exceptions.RayActorError as e:
+        from tracer.errors import JobError
+
+        raise JobError(f"rank {rank}'s process died with its rank host, the warm process that forks "
+                       f"this job's ranks on its node ({type(e).__name__}: {e})") from None
 
 
 _rank = ray.remote(max_retries=0)(_run_rank)
-# A fresh process per rank for in-process jobs other than the built-in trainer, forked from a warm
-# worker (forked_rank.py). torch's DTensor keeps process-global state across process groups: a Ray
-# worker reused for rank 1 after hosting rank 0 of an earlier job silently takes rank 0's chunk in the
-# backward of an all-gather (a clean torch_native tp2_sp check failed with rank 1's logits gradient
-# equal to rank 0's half; torch 2.13, gloo; scripts/repro_dtensor_reused_process.py; clearing
-# DTensor's redistribute and sharding caches does not help). Megatron and transformers keep
-# process-global state too, and so may any user entrypoint. The built-in trainer keeps none and runs
-# in warm workers itself; a command job runs in a child process of its own (warm_python.py).
-_rank_forked = ray.remote(max_retries=0)(_run_rank_forked)
+_rank_hosted = ray.remote(max_retries=0)(_run_rank_hosted)
 
 
-def rank_task(spec: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The remote function a job's ranks run, and its extra options: in the worker itself for the
-    built-in trainer or a command (whose rank is a child process: a fork of a warm worker of the pool
-    for `python SCRIPT`), else forked from a warm worker of the job's own pool (its runtime_env names
-    the pool)."""
+class RankHost:
+    """A warm process that forks ranks (forked_rank.run_forked), one per pool and node. It never
+    runs a job itself: DTensor, megatron-core and transformers keep process-global state (a Ray
+    worker reused for rank 1 after hosting rank 0 of an earlier job silently took rank 0's chunk in
+    the backward of an all-gather: scripts/repro_dtensor_reused_process.py), and each fork starts
+    from the host's clean state. Its runtime_env names the pool (forked_rank.HOST_ENV), so an
+    adapter's imports and shims never reach another pool's ranks."""
+
+    def run(self, spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
+            local: tuple[int, int], requester: int, devices: dict[str, str]) -> dict[str, Any]:
+        from orchestrator.forked_rank import run_forked
+        from orchestrator.jobs import run_rank
+        from orchestrator.rank_logs import node_id
+
+        return run_forked(run_rank, spec, rank, world_size, *rdzv, *local, node=node_id(),
+                          requester=requester, env=devices)
+
+
+_RankHost = ray.remote(RankHost)
+_HOSTS: dict[tuple[str, str, str], Any] = {}   # (Ray job, pool, node) -> this driver's host there
+
+
+def rank_host(pool: str, node: str) -> Any:
+    """This driver's rank host for `pool` on `node`, started on first use. It lives as long as the
+    driver's Ray job (restarted if it dies: the ranks it was forking fail, later ones fork anew)."""
+    from orchestrator.forked_rank import HOST_ENV
+
+    key = (ray.get_runtime_context().get_job_id(), pool, node)
+    if key not in _HOSTS:
+        _HOSTS[key] = _RankHost.options(
+            num_cpus=0, max_concurrency=HOST_FORKS, max_restarts=-1, max_task_retries=0,
+            runtime_env={"env_vars": {**worker_env(), HOST_ENV: pool}},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    return _HOSTS[key]
+
+
+def rank_task(spec: dict[str, Any]) -> tuple[Any, str | None]:
+    """The remote function a job's ranks run, and the pool whose host forks them (None: the rank
+    runs in its worker). The built-in trainer runs in the worker; so does a command that cannot start
+    warm (another program, an interpreter flag, job.warm_start=false), as that worker's child. A
+    warm `python SCRIPT` forks from the torch-only pool (warm_python.py), an in-process entrypoint
+    from its own (forked_rank.preloads)."""
+    from orchestrator.forked_rank import host_key
+    from orchestrator.jobs import BUILTIN_ENTRYPOINT, command_argv
+    from orchestrator.warm_python import warm_start
+
     job = spec.get("job") or {}
-    pool = {"runtime_env": {"env_vars": {**worker_env(), HOST_ENV: host_key(spec)}}}
-    if job.get("command"):   # `python SCRIPT`: forked by a worker of the pool (warm_python.py)
+    if job.get("command"):
         argv = command_argv(str(job["command"]), {**os.environ, **(job.get("env") or {})})
-        return (_rank, pool) if warm_start(job, argv) else (_rank, {})
+        return (_rank_hosted, host_key(spec)) if warm_start(job, argv) else (_rank, None)
     if job.get("entrypoint") in (None, "", BUILTIN_ENTRYPOINT):
-        return _rank, {}
-    return _rank_forked, pool
+        return _rank, None
+    return _rank_hosted, host_key(spec)

@@ -1,24 +1,25 @@
 """A command job's `python SCRIPT ...` rank started as a fork of a warm interpreter.
 
-A command rank is a child process of its Ray worker. Started as `python train.py`, it pays the
+A command rank is a child process of the process that runs its rank (its *parent*: a Ray worker, or
+a fork of the pool's rank host). Started as `python train.py`, it pays the
 interpreter, torch and `torch._dynamo` (imported by the first optimizer) before the script's first
-line: 3.5-4.5 s of CPU here, for every rank of every run of a check (1 + R + 1 runs). A warm worker
-of the rank pool (forked_rank.py: it imports those once and never runs a job itself) forks the rank's
-process instead, and the child runs the script the way `python` would:
+line: 3.5-4.5 s of CPU here, for every rank of every run of a check (1 + R + 1 runs). A fork of the
+torch-only pool's rank host (forked_rank.py: it imports those once and never runs a job itself) forks
+the rank's process instead, and the child runs the script the way `python` would:
 
 - `sys.argv`, `sys.path` (the script's directory, or the working directory for `-m`, then
   `PYTHONPATH`), `__main__`;
 - the rank's environment and working directory, stdin from /dev/null, stdout and stderr to the
-  pipes its worker reads into the rank's log;
+  pipes its parent reads into the rank's log;
 - at the end: an uncaught exception through `sys.excepthook` and exit code 1, `SystemExit`'s code,
-  non-daemon threads joined, then the script's own atexit handlers (the worker's are dropped);
-- it dies with its worker (PR_SET_PDEATHSIG), and its exit code or signal reads as a `Popen`'s.
+  non-daemon threads joined, then the script's own atexit handlers (its parent's are dropped);
+- it dies with its parent (PR_SET_PDEATHSIG), and its exit code or signal reads as a `Popen`'s.
 
 Only `python SCRIPT ARGS` and `python -m MODULE ARGS` (`python` being ttrace's interpreter) start
 warm; an interpreter flag, any other program, or `job.warm_start=false` starts a fresh process. What
 a warm start cannot give: torch is imported before `job.env` applies (a variable torch reads when it
 is imported, such as `OMP_NUM_THREADS` for its thread pool, needs `job.warm_start=false`), and the
-script shares the worker's imported modules (a script that starts Ray itself needs it too).
+script shares the host's imported modules (a script that starts Ray itself needs it too).
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ class ForkedPython:
 
 
 def start(argv: Sequence[str], cwd: str | None, env: Mapping[str, str]) -> ForkedPython:
-    """Fork this warm worker into the rank's process, running `argv` (a `python_target`)."""
+    """Fork this warm process (a fork of a rank host) into the rank's process, running `argv` (a
+    `python_target`)."""
     target = python_target(argv)
     if target is None:
         raise ValueError(f"not a python command: {list(argv)}")
-    for module in BASE_PRELOADS:   # the pool worker's first rank imports them; later ones find them
+    for module in BASE_PRELOADS:   # imported by the rank host already (here, a fork of it)
         importlib.import_module(module)
     if cwd is not None and not os.path.isdir(cwd):
         raise FileNotFoundError(f"no such directory: {cwd!r}")
@@ -91,7 +93,7 @@ def start(argv: Sequence[str], cwd: str | None, env: Mapping[str, str]) -> Forke
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     parent = os.getpid()
-    # The child starts with the worker's heap frozen, as a forked entrypoint rank does (forked_rank.py).
+    # The child starts with the heap frozen, as a forked entrypoint rank does (forked_rank.py).
     with gc_frozen():
         pid = os.fork()
         if pid == 0:   # never returns
@@ -110,7 +112,7 @@ def _child(target: tuple[str, str, list[str]], title: str, cwd: str | None, env:
     try:
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        if os.getppid() != parent:   # the worker died before the line above
+        if os.getppid() != parent:   # the parent died before the line above
             os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # the Ray worker's handlers act on Ray's state
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -28,33 +28,32 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
     assert len(calls) == 2 and calls[0] == blocker.id   # the blocker's own ready(), then the job's once
 
 
-def test_which_ranks_run_in_the_worker_and_which_are_forked_from_a_pool_of_their_own():
+def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_pool():
     """The built-in trainer keeps no process-global state and runs in warm workers itself. A command's
-    rank is a child process: `python SCRIPT` forked by a worker of the torch-only pool (warm_python.py),
+    rank is a child process: `python SCRIPT` forked by the host of the torch-only pool (warm_python.py),
     any other program (or job.warm_start=false) started from any warm worker. Other entrypoints are
-    forked, each adapter from workers of its own pool (megatron-core's import-time shims never reach
-    another job's ranks), a user's entrypoint from workers that preloaded torch only (its module is
-    never imported before the fork, so a long-lived worker cannot run a stale copy)."""
+    forked, each adapter by the host of its own pool (megatron-core's import-time shims never reach
+    another job's ranks), a user's entrypoint by the torch-only host (its module is never imported
+    before the fork, so a long-lived host cannot run a stale copy)."""
     from orchestrator import rank_tasks
-    from orchestrator.forked_rank import HOST_ENV, preloads
+    from orchestrator.forked_rank import preloads
     from orchestrator.recipe import compose, job_of
 
-    assert rank_tasks.rank_task({"job": job_of(compose([]))}) == (rank_tasks._rank, {})
+    assert rank_tasks.rank_task({"job": job_of(compose([]))}) == (rank_tasks._rank, None)
     command = {"job": job_of(compose(["job.command=python train.py"]))}
-    task, options = rank_tasks.rank_task(command)
-    assert task is rank_tasks._rank and options["runtime_env"]["env_vars"][HOST_ENV] == "torch._dynamo"
+    assert rank_tasks.rank_task(command) == (rank_tasks._rank_hosted, "torch._dynamo")
     for fresh in (["job.command=bash train.sh"], ["job.command=python -u train.py"],
                   ["job.command=python train.py", "job.warm_start=false"]):
-        assert rank_tasks.rank_task({"job": job_of(compose(fresh))}) == (rank_tasks._rank, {}), fresh
+        assert rank_tasks.rank_task({"job": job_of(compose(fresh))}) == (rank_tasks._rank, None), fresh
     pools = set()
     for job in ("torch_native", "hf", "megatron_core"):
         spec = {"job": job_of(compose([f"job={job}"]))}
-        task, options = rank_tasks.rank_task(spec)
-        assert task is rank_tasks._rank_forked and preloads(spec)[-1] == f"workloads.adapters.{job}"
-        pools.add(options["runtime_env"]["env_vars"][HOST_ENV])
+        task, pool = rank_tasks.rank_task(spec)
+        assert task is rank_tasks._rank_hosted and pool == preloads(spec)[-1] == f"workloads.adapters.{job}"
+        pools.add(pool)
     user = {"job": {"entrypoint": "mypkg.train:main"}}
     assert "mypkg.train" not in preloads(user)
-    pools.add(rank_tasks.rank_task(user)[1]["runtime_env"]["env_vars"][HOST_ENV])
+    pools.add(rank_tasks.rank_task(user)[1])
     assert len(pools) == 4
 
 
@@ -112,17 +111,9 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
     assert all(r["torch_at_import"] for r in ranks), ranks     # forked after the warm import
     assert len({r["pid"] for r in ranks}) == 4
     assert all(r["title"] == f"ttrace job rank {r['rank']}: probe_rank:main" for r in ranks), ranks   # ps
-    # Warm reuse: a later job's rank forks from a worker an earlier job warmed. Ray may start fresh
-    # workers for a job the loop (which wakes as soon as a rank ends) launches before Ray has taken
-    # the earlier job's workers back into its pool: once for both of the second job's ranks in one
-    # make test here. So it is asserted over the three jobs that ran one after another.
-    seen: set[int] = set()
-    reused = []
-    for job in (first, second, waits):
-        parents = {r["parent"] for r in job.results}
-        reused.append(bool(parents & seen))
-        seen |= parents
-    assert any(reused), [(j.name, [r["parent"] for r in j.results]) for j in (first, second, waits)]
+    # One warm host per pool and node forks every rank of every job (not a worker per concurrent
+    # rank, each importing torch), and each rank's task is another process, whose end it dies with.
+    assert len({r["parent"] for r in ranks + waits.results}) == 1, ranks
     assert dies.error and "rank 1's process died (killed by SIGKILL)" in dies.error, dies.error
     assert raises.error and "rank 0 raised ZeroDivisionError: probe" in raises.error, raises.error
 
