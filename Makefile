@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet uv==0.13.9 && $(BIN)/uv pip install --quiet --compile-bytecode \
 	    --python $(BIN)/python -e '.[dev,megatron,hf]' || $(BIN)/pip install --quiet -e '.[dev,megatron,hf]'
 	# The compiled kernels (numba), compiled once here into tracer/kernels/__pycache__/ttrace-kernels-<digest of their
-	# sources> (those of earlier sources removed).
-	$(BIN)/python -c "from tracer import kernels; kernels.warm_up()"
+	# sources> (those of earlier sources removed): float32's and float64's in two processes at once (each
+	# kernel has cache files of its own), 35 s on one core here.
+	$(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float32',))" & f32=$$!; \
+	    $(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float64',), gathers=False)" && wait $$f32
 	touch $(STAMP)
 
 demo: setup

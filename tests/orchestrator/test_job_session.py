@@ -264,7 +264,7 @@ print("frozen in each job", all(n > 10000 for n in frozen), len(frozen), "after"
 
 
 def test_a_forked_rank_starts_with_its_workers_heap_frozen_and_the_worker_thaws():
-    """The warm worker freezes its heap for the fork only: the child's GC passes skip (and never write
+    """The rank host freezes its heap for the fork only: the child's GC passes skip (and never write
     to) the objects it shares with the worker, and the worker collects as before."""
     import gc
 
@@ -276,3 +276,40 @@ def test_a_forked_rank_starts_with_its_workers_heap_frozen_and_the_worker_thaws(
     assert gc.get_freeze_count() == 0
     out = run_forked(probe, {"job": {"entrypoint": "probe:main"}})
     assert out["frozen"] > 10000 and gc.get_freeze_count() == 0
+
+
+def test_a_forked_rank_dies_with_the_rank_task_that_asked_for_it(tmp_path):
+    """A rank host outlives the jobs it forks for: a rank must end when its rank task's process does
+    (stopping a job kills those), not with the host. Here the task is a sleeping process, killed once
+    the rank runs (for a minute, else); the rank has the task's `env`."""
+    import os
+    import threading
+    import time
+
+    from orchestrator.forked_rank import run_forked
+    from tracer.errors import JobError
+
+    ready = tmp_path / "ready"
+
+    def rank(spec, _rank):
+        ready.write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+        time.sleep(60)
+        return {}
+
+    def kill_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        task.kill()
+
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    threading.Thread(target=kill_when_ready, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(JobError, match="killed by SIGKILL"):
+        run_forked(rank, {"job": {"entrypoint": "probe:main"}}, 0, requester=task.pid,
+                   env={"CUDA_VISIBLE_DEVICES": "3"})
+    assert time.monotonic() - t0 < 30 and ready.read_text() == "3"
+    task.wait()
+    # A task already gone: the rank ends at once.
+    ready.unlink()
+    with pytest.raises(JobError, match="killed by SIGKILL"):
+        run_forked(rank, {"job": {"entrypoint": "probe:main"}}, 0, requester=task.pid)

@@ -59,7 +59,7 @@ def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_p
 
 _PROBE = """
 import os, sys, time
-TORCH_AT_IMPORT = "torch" in sys.modules   # preloaded by the warm worker before the fork
+TORCH_AT_IMPORT = "torch" in sys.modules   # preloaded by the rank host before the fork
 CALLS = []
 
 def main():
@@ -86,11 +86,12 @@ def _probe_job(name: str, workdir, mode: str = "") -> Job:
                       "trace": {"enabled": False}, "parallel": {"dp": 2}}, world_size=2)
 
 
-def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_cluster, tmp_path):
+def test_entrypoint_ranks_are_fresh_processes_forked_by_one_warm_host(ray_cluster, tmp_path):
     """Entrypoint jobs other than the built-in trainer need a fresh process per rank (DTensor,
     megatron-core and transformers keep process-global state: scripts/repro_dtensor_reused_process.py).
-    Each rank is forked from a warm worker that imported torch once: module state never carries over
-    from one job to the next, the workers are reused, and a child's failure is reported by rank."""
+    Each rank is forked by the pool's warm host, which imported torch once: module state never
+    carries over from one job to the next, the host serves every job, and a child's failure is
+    reported by rank."""
     (tmp_path / "probe_rank.py").write_text(_PROBE)
     first = _probe_job("first", tmp_path)
     run_jobs([first], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
@@ -119,8 +120,8 @@ def test_entrypoint_ranks_are_fresh_processes_forked_from_warm_workers(ray_clust
 
 
 def test_a_stopped_job_stops_its_forked_ranks(ray_cluster, tmp_path):
-    """Stopping a job removes its placement group, which kills the warm worker; its forked child
-    must die with it (parent-death signal), or a hung rank would outlive its job."""
+    """Stopping a job removes its placement group, which kills its rank tasks; the forked children
+    must die with them (each watches its task's process), or a hung rank would outlive its job."""
     import psutil
 
     (tmp_path / "probe_rank.py").write_text(_PROBE)

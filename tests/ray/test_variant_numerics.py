@@ -2,7 +2,8 @@
 all TP ranks, tied embeddings) on every dense layout, ZeRO-1, and their bug switches — each reassembled
 with the plan's layouts (ZeRO grads: the DP-sharded optimizer view) and compared with one process.
 
-Same harness as test_workload_numerics.py: one torch.multiprocessing spawn of 4 reused workers.
+Same harness as test_workload_numerics.py: one torch.multiprocessing spawn of 4 reused workers, narrow
+jobs two at a time (in_lanes).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel, run_in_process
+from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel, in_lanes, run_in_process
 
 from orchestrator.rank_tasks import free_port
 from tracer import Layout, Replicate
@@ -88,9 +89,10 @@ class ShardRecorder(Recorder):
         self.grad_layouts = {self.rename(n): lay for n, (_, lay) in shards.items()}
 
 
-def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
-    for name, spec, port in jobs:
-        if rank >= spec["parallel"]["world_size"]:
+def _worker(proc: int, jobs: list[tuple[str, dict, int, int]], out_dir: str) -> None:
+    for name, spec, port, first in jobs:
+        rank = proc - first
+        if not 0 <= rank < spec["parallel"]["world_size"]:
             continue
         result, rec = run_in_process(spec, rank, port, ShardRecorder)
         grad_layouts = {**rec.layouts, **rec.grad_layouts}
@@ -127,7 +129,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              for p in ("single", "dp2_zero1", "pp2_vpp2", "cp2")]
     jobs += [(f"moe-{p}", moe_spec(p), free_port()) for p in ("single", *MOE_PARALLEL)]
     jobs += [(f"moe-{p}+{b}", moe_spec(p, b), free_port()) for b, p in MOE_BUGGY.items()]
-    mp.spawn(_worker, args=(jobs, str(out)), nprocs=NPROCS, join=True)
+    mp.spawn(_worker, args=(in_lanes(jobs), str(out)), nprocs=NPROCS, join=True)
     runs = {}
     for name, spec, _ in jobs:
         shards = [torch.load(out / f"{name}.{r}.pt", weights_only=False)

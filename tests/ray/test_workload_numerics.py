@@ -1,10 +1,10 @@
 """Numerics of the built-in GPT workload: every parallel layout matches the single-process run.
 
-One torch.multiprocessing spawn of 4 worker processes runs every job in turn (ranks beyond a job's
-world size sit it out), so torch is imported once per worker. Workers reuse their process, as
-Ray's do, which also checks that the job tears its process group down. Ranks trace into an
-in-memory recorder (tracing to the store is disabled); the parent reassembles every parameter and
-gradient with the plan's layouts and compares it with the reference.
+One torch.multiprocessing spawn of 4 worker processes runs every job in turn, so torch is imported
+once per worker: 4-rank jobs on all of them, narrower jobs two at a time side by side (`in_lanes`).
+Workers reuse their process, as Ray's do, which also checks that the job tears its process group
+down. Ranks trace into an in-memory recorder (tracing to the store is disabled); the parent
+reassembles every parameter and gradient with the plan's layouts and compares it with the reference.
 """
 
 from __future__ import annotations
@@ -131,9 +131,22 @@ def run_in_process(spec: dict, rank: int, port: int, recorder: type) -> tuple[di
     return result, recs[0]
 
 
-def _worker(rank: int, jobs: list[tuple[str, dict, int]], out_dir: str) -> None:
-    for name, spec, port in jobs:
-        if rank >= spec["parallel"]["world_size"]:
+def in_lanes(jobs: list[tuple[str, dict, int]], nprocs: int = NPROCS) -> list[tuple[str, dict, int, int]]:
+    """Each job with the first of the spawned processes that run it (its rank 0). Jobs wider than
+    half the processes run on all of them, first and in list order; the others in two lanes (the
+    first and the second half of the processes), alternately, each lane in list order. Every process
+    meets its jobs in one order, so none waits in a job whose peers are busy elsewhere, and two 2-rank
+    jobs keep 2 cores busy where one alone left them half idle (its ranks wait on each other)."""
+    half = nprocs // 2
+    wide = [(*j, 0) for j in jobs if j[1]["parallel"]["world_size"] > half]
+    narrow = [j for j in jobs if j[1]["parallel"]["world_size"] <= half]
+    return wide + [(*j, (i % 2) * half) for i, j in enumerate(narrow)]
+
+
+def _worker(proc: int, jobs: list[tuple[str, dict, int, int]], out_dir: str) -> None:
+    for name, spec, port, first in jobs:
+        rank = proc - first
+        if not 0 <= rank < spec["parallel"]["world_size"]:
             continue
         result, rec = run_in_process(spec, rank, port, Recorder)
         torch.save({"result": result, "coords": rec.coords, "sizes": rec.sizes, "grads": rec.grads,
@@ -168,7 +181,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     jobs = [(p, make_spec(p), free_port()) for p in PARALLEL]
     jobs += [(f"{p}+{b}", make_spec(p, b), free_port()) for b, p in BUGGY.items()]
     jobs += [(p, make_spec("single", perturb_seed=i + 1), free_port()) for i, p in enumerate(PERTURBED)]
-    mp.spawn(_worker, args=(jobs, str(out)), nprocs=NPROCS, join=True)
+    mp.spawn(_worker, args=(in_lanes(jobs), str(out)), nprocs=NPROCS, join=True)
     runs = {}
     for name, spec, _ in jobs:
         shards = [torch.load(out / f"{name}.{r}.pt", weights_only=False)

@@ -74,15 +74,19 @@ def prune_stale_caches() -> list[Path]:
     return stale
 
 
-def warm_up() -> None:
-    """Load (or compile) every kernel now, for float32 and float64 data: a fresh process pays it once,
-    here rather than inside its first comparison (orchestrator/prefetch.py calls it while a check's
-    jobs run; `make setup` once, to compile them into the cache). The stale caches go first."""
+def warm_up(dtypes: tuple[str, ...] = ("float32", "float64"), gathers: bool = True) -> None:
+    """Load (or compile) every kernel now, for float32 and float64 data (`dtypes`), and the gathers: a
+    fresh process pays it once, here rather than inside its first comparison (orchestrator/prefetch.py
+    calls it while a check's jobs run; `make setup` once, to compile them into the cache, in two
+    processes: one per dtype). The stale caches go first."""
     prune_stale_caches()
-    gather.warm_up()
+    if gathers:
+        gather.warm_up()
     one, zero, none, at = np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(0), np.uint64(0)
     offsets = np.zeros(2, np.int64)
     for dtype, uint in ((np.float32, np.uint32), (np.float64, np.uint64)):
+        if np.dtype(dtype).name not in dtypes:
+            continue
         x, f8, flags = np.zeros(1, dtype), np.zeros(1), np.zeros(1, np.bool_)
         side = reference_side(x, x.reshape(1, 1), none, zero, one, f8, zero, zero, offsets, offsets,
                               x.copy(), x.copy(), f8.copy(), f8.copy())
