@@ -75,18 +75,31 @@ def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overri
     assert "PASS" not in proc.stdout
 
 
-@pytest.mark.parametrize("kind, needle", [
-    ("raise", "failed: rank 1 raised workloads.faults.InjectedFault"),   # a rank raises mid-step
-    ("exit", "rank 1's worker process died"),   # a rank's process dies mid-step
-    ("hang", "job 'candidate' timed out"),      # a rank blocks; its peer waits in a collective
-])
-def test_a_failing_rank_ends_in_an_error_never_a_verdict(ray_cluster, workdir, kind, needle):
-    # The candidate is the only job that hangs (the references are not faulted): 20 s covers its
-    # start on warm workers, and is all the hang case waits.
-    res = check(workdir, "parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
-                "tolerance.perturbations=2", "timeout_s=20")
+FAULTS = {
+    "raise": "failed: rank 1 raised workloads.faults.InjectedFault",   # a rank raises mid-step
+    "exit": "rank 1's worker process died",   # a rank's process dies mid-step
+    "hang": "job 'candidate' timed out",      # a rank blocks; its peer waits in a collective
+}
+
+
+@pytest.fixture(scope="module")
+def faulted(ray_cluster, tmp_path_factory):
+    """The three faults as one batch of checks (as a sweep runs them): the others run while the hang
+    waits out its timeout. Only the candidates are faulted: 20 s covers a candidate's start on warm
+    workers, and is all the hang case waits."""
+    base = tmp_path_factory.mktemp("faulted")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(base)   # MLflow's database and the store land there, as with `workdir`
+        recipes = [["parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
+                    "tolerance.perturbations=2", "timeout_s=20"] for kind in FAULTS]
+        return dict(zip(FAULTS, checks(base, *recipes), strict=True))
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_a_failing_rank_ends_in_an_error_never_a_verdict(faulted, kind):
+    res = faulted[kind]
     assert res.verdict == "error" and res.exit_code == 2, res.report.get("first_divergence")
-    assert needle in res.message, res.message
+    assert FAULTS[kind] in res.message, res.message
     saved = json.loads(res.report_path.read_text())
     assert saved["verdict"] == "error" and saved["tensors"] == []
 

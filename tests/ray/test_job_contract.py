@@ -258,10 +258,12 @@ def _losses(proc: subprocess.Popen) -> str:
     return "\n".join(ln for ln in out.splitlines() if ln.startswith("step "))
 
 
-def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp_path):
+def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp_path, monkeypatch, capsys):
     """The path of a GPU cluster that never saw Ray: the same script launched by torchrun in each role
     (TTRACE_* variables), then `ttrace compare STORE`. Untraced, the script trains unchanged: the
     candidate's losses are bit-identical to a plain run's."""
+    from orchestrator.compare_cli import main
+
     store = tmp_path / "store"
     plain = _losses(_torchrun(user_repo, 2, {}))
     assert plain.count("step ") == 2 and not store.exists()
@@ -276,34 +278,35 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
     losses = [_losses(p) for p in launches]
     assert losses[-1] == plain
 
-    def compare(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([TTRACE, "compare", str(store), *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    # `ttrace compare` as a user types it, logging to MLflow; while it runs, three more judgements of
+    # the same store by the same function in this process (a process of its own each cost ~5 s of CPU).
+    clean = subprocess.Popen([TTRACE, "compare", str(store)], cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    monkeypatch.chdir(tmp_path)
 
-    def result(proc: subprocess.Popen) -> tuple[int, dict, str]:
-        stdout, stderr = proc.communicate(timeout=300)
-        paths = report_paths(stdout, tmp_path)
-        return proc.returncode, json.loads(paths[-1].read_text()) if paths else {}, stdout + stderr
+    def judged(*args: str) -> tuple[int, dict, str]:
+        code = main([str(store), *args, "tracking.enabled=false"])
+        out = capsys.readouterr()
+        paths = report_paths(out.out, tmp_path)
+        return code, json.loads(paths[-1].read_text()) if paths else {}, out.out + out.err
 
-    # Four independent judgements of one store, started together; only the first logs to MLflow.
-    clean, bug, same = (compare(), compare("--candidate", "candidate-bug", "tracking.enabled=false"),
-                        compare("--perturbed", "reference,perturbed-1", "tracking.enabled=false"))
+    code, report, out = judged("--candidate", "candidate-bug")
+    assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
+    code, _, out = judged("--perturbed", "reference,perturbed-1")
+    assert code == 2 and "bit-identical to reference" in out, out
     # The local verdict asked for on stored runs without an isolated run: an error, never a pass.
-    local = compare("tolerance.local=on", "precision=bf16", "tracking.enabled=false")
-    code, report, out = result(clean)
-    assert code == 0 and report["verdict"] == "pass", out
+    code, report, out = judged("tolerance.local=on", "precision=bf16")
+    assert code == 2 and "TTRACE_ROLE=isolated" in out and report["verdict"] == "error", out
+    stdout, stderr = clean.communicate(timeout=300)
+    paths = report_paths(stdout, tmp_path)
+    report = json.loads(paths[-1].read_text()) if paths else {}
+    assert clean.returncode == 0 and report["verdict"] == "pass", stdout + stderr
     assert report["reference"]["runs"]["perturbed"] == ["perturbed-1", "perturbed-2"]
     assert report["recipe"]["parallel"]["world_size"] == 2
-    code, report, out = result(bug)
-    assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
-    code, _, out = result(same)
-    assert code == 2 and "bit-identical to reference" in out, out
-    code, report, out = result(local)
-    assert code == 2 and "TTRACE_ROLE=isolated" in out and report["verdict"] == "error", out
     import mlflow
 
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")   # the first compare
+    (run,) = mlflow.search_runs(experiment_names=["ttrace"], output_format="list")   # the command's alone
     assert run.data.tags["verdict"] == "pass"
 
 
