@@ -30,12 +30,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m orchestrator.demo
 
+# The single-process tests on several cores, then the multi-rank ones on one Ray cluster (scripts/run_tests.sh).
 test: setup chromium
-	$(BIN)/python -m pytest -q --durations=12 tests
+	PY=$(BIN)/python sh scripts/run_tests.sh tests
 
 # The single-process tests only (tests/tracer, tests/workloads, tests/orchestrator): seconds.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not ray" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ray" tests
 
 # Headless Chromium renders report.html in the tests (installed from Debian packages when missing).
 chromium:

@@ -1,0 +1,18 @@
+#!/bin/sh
+# The test suite as `make test` runs it (bench/suite.py too), in two phases:
+# - the single-process tests (tests/tracer, tests/workloads, tests/orchestrator but those marked ray)
+#   on up to 4 cores at once (pytest-xdist, a file per process at a time: on 2 cores 68 -> 41 s);
+# - then the multi-rank ones (marked ray) in one process, which starts one local Ray cluster and
+#   shares it between them (tests/conftest.py).
+# Both phases always run; the exit code is the first failing one's. Arguments: pytest paths and
+# options (default: tests).
+PY="${PY:-.venv/bin/python}"
+[ $# -gt 0 ] || set -- tests
+n=$(nproc 2>/dev/null || echo 2)
+[ "$n" -gt 4 ] && n=4
+"$PY" -m pytest -q -n "$n" --dist loadfile -m "not ray" "$@"; fast=$?
+[ $fast -eq 5 ] && fast=0   # none collected there (only multi-rank tests asked for)
+"$PY" -m pytest -q --durations=12 -m ray "$@"; slow=$?
+[ $slow -eq 5 ] && slow=0
+[ $fast -ne 0 ] && exit $fast
+exit $slow
