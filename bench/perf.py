@@ -638,7 +638,7 @@ def table(r: dict[str, Any]) -> str:
             lines += ["", f"a user's script ({' '.join(k['job'])}), fresh interpreters (before) or forked "
                       f"warm (after), medians; verdicts {k['verdicts']}",
                       f"check wall time: before {k['total_s']['before']:.2f} s, after "
-                      f"{k['total_s']['after']:.2f} s (first check, the pool's workers starting: "
+                      f"{k['total_s']['after']:.2f} s (first check, the rank host starting: "
                       f"{k['after_first_check_s']:.2f} s)",
                       f"longest job: before {k['longest_job_s']['before']:.2f} s, after "
                       f"{k['longest_job_s']['after']:.2f} s",
