@@ -162,7 +162,7 @@ def die_with(pid: int) -> None:
         return kill()
     except (AttributeError, OSError):   # no pidfd (kernel < 5.3): poll
         def watch() -> None:
-            while _alive(pid):
+            while pid_alive(pid):
                 time.sleep(0.5)
             kill()
     else:
@@ -172,13 +172,14 @@ def die_with(pid: int) -> None:
     threading.Thread(target=watch, name=f"ttrace-dies-with-{pid}", daemon=True).start()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this machine (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass
+    except PermissionError:   # another user's process
+        return True
     return True
 
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.forked_rank import pid_alive
+
 BATCH = 900  # MLflow accepts at most 1000 metrics per log_batch call
 DRIVER_TAG = "ttrace.driver"   # host:pid of the process that opened a run (orphans: _end_orphans)
 
@@ -104,23 +106,13 @@ def _end_orphans(client: Any, exp_id: str) -> int:
     for run in client.search_runs([exp_id], filter_string="attributes.status = 'RUNNING'", max_results=1000):
         driver = run.data.tags.get(DRIVER_TAG, "")
         who, _, pid = driver.rpartition(":")
-        if who != host or not pid.isdigit() or _alive(int(pid)):
+        if who != host or not pid.isdigit() or pid_alive(int(pid)):
             continue
         client.set_tag(run.info.run_id, "ttrace.ended", f"its driver ({driver}) was gone when a later check "
                                                        "started")
         client.set_terminated(run.info.run_id, status="KILLED")
         ended += 1
     return ended
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process
-        return True
-    return True
 
 
 def _client(cfg: dict[str, Any], base_dir: str) -> tuple[Any, str]:
