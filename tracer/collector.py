@@ -22,6 +22,7 @@ from torch import nn
 
 from tracer.errors import TraceError
 from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
+from tracer.forward_taps import on_grad, tap_forward
 from tracer.layouts import Layout, Replicate
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
 from tracer.routing import ROUTER_TYPES, hand_on
@@ -77,7 +78,7 @@ class Tracer:
 
     # -- setup ---------------------------------------------------------------------------------
     def attach(self, model: nn.Module, plan: Plan, rename: Rename | None = None) -> None:
-        """Hook every module the plan lists; remember every parameter's layout."""
+        """Tap every module the plan lists (tracer.forward_taps); remember every parameter's layout."""
         if not self.enabled:
             return
         if rename is not None:
@@ -87,9 +88,8 @@ class Tracer:
             self._params[pname] = (layout, types.get(pname.rpartition(".")[0], ""))
         for name, module, entry in traced_modules(model, plan):
             if entry.trace and self.traces("output", "grad_output"):
-                self._handles.append(module.register_forward_hook(
-                    self._forward_hook(self._rename(name), type(module).__name__, entry.output,
-                                       entry.grad_layout)))
+                self._handles.append(tap_forward(module, self._forward_hook(
+                    self._rename(name), type(module).__name__, entry.output, entry.grad_layout)))
 
     def traces(self, *kinds: str) -> bool:
         """Does the selection (trace.kinds) hold any of `kinds`?"""
@@ -246,7 +246,7 @@ class Tracer:
                         return None
                     return feed.local(canonical_name(step, mb, path, "grad_output"), grad_layout, grad,
                                       scale=1.0 / self._grad_scale)
-                out.register_hook(grad_hook)
+                on_grad(out, grad_hook)
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out

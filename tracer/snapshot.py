@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tracer.direct_io import aligned_slab
+
 
 class Slot(NamedTuple):
     """One snapshot in a part (appended as a plain tuple on the hot path, in this field order)."""
@@ -45,12 +47,15 @@ class Part:
         self.slots: list[tuple] = []      # Slot fields
         self.holds: list[torch.Tensor] = []   # device sources until `events` fire
         self.events: list[Any] = []
-        self.typed: dict[torch.dtype, torch.Tensor] = {}   # the slab viewed per dtype
+        # dtype -> (the slab viewed as dtype, the storage offset of the slab's byte 0 in its elements:
+        # an aligned slab is a view into a larger allocation, and as_strided counts from the storage)
+        self.typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
 
-    def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+    def typed_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         size = dtype.itemsize
-        view = self.typed[dtype] = self.slab[:self.capacity // size * size].view(dtype)
-        return view
+        view = self.slab[:self.capacity // size * size].view(dtype)
+        self.typed[dtype] = view, view.storage_offset()
+        return self.typed[dtype]
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The slot's tensor as it lies in the slab (valid once the part's events fired)."""
@@ -60,8 +65,9 @@ class Part:
 
 
 class SlabPool:
-    """Host buffers of `size` bytes, reused part after part (a larger tensor gets a one-off slab).
-    Taken on the training thread, given back on the writer thread (deque operations are atomic)."""
+    """Host buffers of `size` bytes, reused part after part (a larger tensor gets a one-off slab), each
+    starting on a block boundary (tracer/direct_io.py). Taken on the training thread, given back on the
+    writer thread (deque operations are atomic)."""
 
     def __init__(self, size: int, keep: int):
         self.size, self.keep = size, keep
@@ -73,13 +79,13 @@ class SlabPool:
                 return self._free.pop()
             except IndexError:
                 pass
-        return torch.empty(max(nbytes, self.size), dtype=torch.uint8, pin_memory=pinned)
+        return aligned_slab(max(nbytes, self.size), pinned)
 
     def warm(self, count: int, pinned: bool = False) -> None:
         """Writer thread, at start: `count` slabs allocated and touched (page faults taken here, off the
         training thread: measured, a fresh 32 MB slab's first step cost the training thread ~90 ms)."""
         for _ in range(count - len(self._free)):
-            self._free.append(torch.zeros(self.size, dtype=torch.uint8, pin_memory=pinned))
+            self._free.append(aligned_slab(self.size, pinned, zero=True))
 
     def give(self, slab: torch.Tensor) -> None:
         if slab.numel() == self.size and len(self._free) < self.keep:
@@ -166,10 +172,8 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
         _memmove(part.base + off, tensor.data_ptr(), nbytes)
     elif nbytes:
         tensor = tensor.detach()   # the copy is not part of the graph (a memmove never is)
-        typed = part.typed.get(dtype)
-        if typed is None:
-            typed = part.typed_view(dtype)
-        dst = typed.as_strided(shape, _STRIDES.get(shape) or _strides(shape), off // size)
+        typed, first = part.typed.get(dtype) or part.typed_view(dtype)
+        dst = typed.as_strided(shape, _STRIDES.get(shape) or _strides(shape), first + off // size)
         if copier is None or not tensor.is_cuda:
             dst.copy_(tensor)
         else:

@@ -3,9 +3,12 @@ a background thread serializes, checksums and writes them; the manifest is commi
 
 Per tensor the training thread does one copy into the current part's slab and appends one manifest
 entry. At each step's end (or when the slab is full) the part goes on a bounded queue; the writer
-thread writes it as a safetensors file straight from the slab's bytes (header, then the tensors
-grouped by element size, no intermediate serialization), checksums it on the way (xxh3_64,
-tracer/checksum.py; the hashing and file writes release the GIL) and gives the slab back to the pool.
+thread writes it as a safetensors file straight from the slab's bytes, no intermediate serialization,
+checksums it on the way (xxh3_64, tracer/checksum.py; the hashing and file writes release the GIL)
+and gives the slab back to the pool. To a local directory a part goes with O_DIRECT, the slab's bytes
+as they lie after a header padded to the device's block (tracer/direct_io.py); elsewhere, or where
+the slab has alignment holes between tensors (safetensors wants none), through the page cache with
+the tensors grouped by element size.
 
 Back-pressure: at most `max_pending` parts wait for the writer. When storage is slower than the
 trace is produced, `flush` blocks the training thread until a part is written: memory stays bounded
@@ -25,8 +28,10 @@ import threading
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from tracer.checksum import WRITTEN, hasher
+from tracer.direct_io import header_block, write_direct
 from tracer.errors import TraceError
 from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
 from tracer.stats import MODES, PARTIAL_IN_FULL, load_kernel, slab_stats
@@ -56,6 +61,7 @@ class TraceWriter:
         self.fs, base = _fs(root)
         self.dir = f"{base}/{run}/{rank_dir(rank)}"
         self.fs.makedirs(self.dir, exist_ok=True)
+        self._direct = isinstance(self.fs, LocalFileSystem)   # False once the filesystem refuses O_DIRECT
         self.header, self.mode = header, mode
         self._full = mode == "full"
         if not self._full:
@@ -158,7 +164,7 @@ class TraceWriter:
                 wait_for_copies(part)
                 self._record_stats(part)
                 kept = [Slot._make(s) for s in part.slots if s[5]]
-                if kept:
+                if kept and not (self._direct and self._write_direct(name, part, kept)):
                     self._write(name, part, kept)
             except BaseException as e:  # surfaced to the training thread on the next add/close
                 self._error = e
@@ -176,6 +182,28 @@ class TraceWriter:
             found = slab_stats(part.slab, [(s.offset, s.nbytes) for s in slots], dtype)
             for slot, st in zip(slots, found, strict=True):
                 self._stats[slot.row] = st
+
+    def _write_direct(self, name: str, part: Part, slots: list[Slot]) -> bool:
+        """The part as its slab holds it, with O_DIRECT (tracer/direct_io.py): True if written. False
+        when its tensors do not lie back to back from the slab's start (an alignment hole between
+        dtypes, or summarized slots among them), or the filesystem refuses O_DIRECT (then for good)."""
+        header: dict[str, Any] = {}
+        end = 0
+        for s in slots:   # in slab order
+            if s.offset != end:
+                return False
+            end += s.nbytes
+            header[self._rows[s.row][0][0]] = {"dtype": _ST_NAMES[s.dtype], "shape": list(s.shape),
+                                               "data_offsets": [s.offset, end]}
+        head = header_block(json.dumps(header, separators=(",", ":")).encode())
+        if not write_direct(f"{self.dir}/{name}", head, part.slab, end):
+            self._direct = False
+            return False
+        h = hasher(WRITTEN)
+        h.update(head)
+        h.update(part.slab.numpy()[:end])
+        self.files.append({"file": name, "bytes": len(head) + end, WRITTEN: h.hexdigest()})
+        return True
 
     def _write(self, name: str, part: Part, slots: list[Slot]) -> None:
         """One safetensors file from the slab: tensors grouped by element size (each stays aligned,
