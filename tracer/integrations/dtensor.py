@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
 from tracer.collector import Tracer, canonical_name
+from tracer.forward_taps import on_grad
 from tracer.layouts import Layout
 from tracer.plan import Rename, _regex
 
@@ -201,7 +202,7 @@ class DTensorTracer(Tracer):
                     ref = feed.local(canonical_name(step, mb, path, "grad_output"), glayout, local_of(grad),
                                      scale=1.0 / self._grad_scale)
                     return None if ref is None else _like(ref, grad)
-                out.register_hook(grad_hook)
+                on_grad(out, grad_hook)
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out
