@@ -162,10 +162,14 @@ class TraceWriter:
                 continue
             try:
                 wait_for_copies(part)
-                self._record_stats(part)
-                kept = [Slot._make(s) for s in part.slots if s[5]]
+                # Per-slot Python here holds the GIL the training thread keeps asking for: in full
+                # mode (every slot kept) the slots go to the file as the snapshot left them.
+                kept = part.slots
+                if not self._full:
+                    self._record_stats(part)
+                    kept = [s for s in kept if s[5]]
                 if kept and not (self._direct and self._write_direct(name, part, kept)):
-                    self._write(name, part, kept)
+                    self._write(name, part, [Slot._make(s) for s in kept])
             except BaseException as e:  # surfaced to the training thread on the next add/close
                 self._error = e
             finally:
@@ -183,18 +187,20 @@ class TraceWriter:
             for slot, st in zip(slots, found, strict=True):
                 self._stats[slot.row] = st
 
-    def _write_direct(self, name: str, part: Part, slots: list[Slot]) -> bool:
+    def _write_direct(self, name: str, part: Part, slots: list[tuple]) -> bool:
         """The part as its slab holds it, with O_DIRECT (tracer/direct_io.py): True if written. False
         when its tensors do not lie back to back from the slab's start (an alignment hole between
-        dtypes, or summarized slots among them), or the filesystem refuses O_DIRECT (then for good)."""
+        dtypes, or summarized slots among them), or the filesystem refuses O_DIRECT (then for good).
+        `slots`: Slot fields, in slab order."""
         header: dict[str, Any] = {}
         end = 0
-        for s in slots:   # in slab order
-            if s.offset != end:
+        rows = self._rows
+        for row, dtype, shape, offset, nbytes, _ in slots:
+            if offset != end:
                 return False
-            end += s.nbytes
-            header[self._rows[s.row][0][0]] = {"dtype": _ST_NAMES[s.dtype], "shape": list(s.shape),
-                                               "data_offsets": [s.offset, end]}
+            end += nbytes
+            header[rows[row][0][0]] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
+                                       "data_offsets": [offset, end]}
         head = header_block(json.dumps(header, separators=(",", ":")).encode())
         if not write_direct(f"{self.dir}/{name}", head, part.slab, end):
             self._direct = False
