@@ -13,8 +13,10 @@ block; ALIGN (4096) covers 512-byte and 4 KB devices. So a part is laid out for 
     multiple of ALIGN bytes, so the data that follows it starts on a boundary of the file too;
   - the data is the slab's bytes as they lie, rounded up to ALIGN, and the file is then truncated to
     its exact length.
-Where the filesystem refuses O_DIRECT (tmpfs, some overlay and network filesystems: EINVAL), or the
-store is not a local directory, the writer falls back to buffered writes (tracer/writer.py)."""
+Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some overlay and network
+filesystems: EINVAL), the
+system has none (macOS), or the store is not a local directory, the writer falls back to buffered
+writes (tracer/writer.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)   # Linux and some BSDs; 0: none (buffered writes)
 
 
 def aligned_slab(nbytes: int, pinned: bool = False, zero: bool = False) -> torch.Tensor:
@@ -60,8 +63,10 @@ def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> boo
     `path` with O_DIRECT, the file cut to its exact length. False,
     having written nothing that stays, where the filesystem refuses O_DIRECT: the caller writes the
     part through the page cache instead."""
+    if not _O_DIRECT:
+        return False
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
     except OSError as e:
         if e.errno == errno.EINVAL:
             return False
