@@ -178,8 +178,8 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # another user's process
-        return True
+    except PermissionError:   # another user's process: it exists
+        pass
     return True
 
 

@@ -13,10 +13,9 @@ block; ALIGN (4096) covers 512-byte and 4 KB devices. So a part is laid out for 
     multiple of ALIGN bytes, so the data that follows it starts on a boundary of the file too;
   - the data is the slab's bytes as they lie, rounded up to ALIGN, and the file is then truncated to
     its exact length.
-Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some overlay and network
-filesystems: EINVAL), the
-system has none (macOS), or the store is not a local directory, the writer falls back to buffered
-writes (tracer/writer.py)."""
+Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some overlay and network filesystems:
+EINVAL), the system has none (macOS), or the store is not a local directory, the writer falls back to
+buffered writes (tracer/writer.py)."""
 
 from __future__ import annotations
 
@@ -34,14 +33,14 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)   # Linux and some BSDs; 0: none (buffere
 
 def aligned_slab(nbytes: int, pinned: bool = False, zero: bool = False) -> torch.Tensor:
     """A uint8 host buffer of `nbytes` starting on an ALIGN boundary, with room behind it up to the next
-    boundary (`blocks`): a view into a larger allocation (torch aligns host memory to 64 bytes only)."""
+    boundary (`_blocks`): a view into a larger allocation (torch aligns host memory to 64 bytes only)."""
     alloc = torch.zeros if zero else torch.empty
     raw = alloc(_round_up(nbytes) + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes]
 
 
-def blocks(slab: torch.Tensor, nbytes: int) -> Any:
+def _blocks(slab: torch.Tensor, nbytes: int) -> Any:
     """The first `nbytes` of an aligned slab rounded up to whole blocks, as a numpy array (what an
     O_DIRECT write of them sends; the bytes past `nbytes` are cut off the file again)."""
     return slab.as_strided((_round_up(nbytes),), (1,), slab.storage_offset()).numpy()
@@ -60,9 +59,9 @@ def header_block(header_json: bytes) -> bytes:
 
 def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> bool:
     """Write `head` (a multiple of ALIGN bytes) then the first `nbytes` of `slab` (`aligned_slab`) to
-    `path` with O_DIRECT, the file cut to its exact length. False,
-    having written nothing that stays, where the filesystem refuses O_DIRECT: the caller writes the
-    part through the page cache instead."""
+    `path` with O_DIRECT, the file cut to its exact length. False, having written nothing that stays,
+    where the system or the filesystem refuses O_DIRECT: the caller writes the part through the page
+    cache instead."""
     if not _O_DIRECT:
         return False
     try:
@@ -75,15 +74,15 @@ def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> boo
         with mmap.mmap(-1, len(head)) as block:   # the header at an aligned (page) address
             block[:] = head
             _write_all(fd, memoryview(block), 0)
-        _write_all(fd, memoryview(blocks(slab, nbytes)), len(head))
+        _write_all(fd, memoryview(_blocks(slab, nbytes)), len(head))
         os.ftruncate(fd, len(head) + nbytes)
     except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        os.unlink(path)   # opened, but this file's device wants another alignment
+        return False
+    finally:
         os.close(fd)
-        if e.errno == errno.EINVAL:   # opened, but this file's device wants another alignment
-            os.unlink(path)
-            return False
-        raise
-    os.close(fd)
     return True
 
 
