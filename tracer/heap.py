@@ -54,32 +54,18 @@ def gc_paused() -> Iterator[None]:
     lists (none in a cycle), and every generation-2 pass rescans all objects alive. Measured on five 16x runs:
     load 1.6-2.3 s with the GC running, 1.0 s paused.
 
-    On leaving the outermost pause, what it allocated is moved to the oldest generation without a
-    pass (`_age_young`): otherwise the first allocation after it starts a young-generation pass over
-    all of it, mostly objects that live on (a run's manifests, the walk's spans) and that the pass
-    cannot free. Measured on a 16x comparison loading its 5 runs one by one: 0.02-0.30 s of such
-    passes in a ~1 s comparison, none after (median of 12 comparisons 1.015 -> 0.996 s)."""
+    Leaving a pause does not move what it allocated to the oldest generation (gc.freeze then
+    gc.unfreeze; tried in c93dfea, reverted): skipping that for a process that froze its own heap
+    takes gc.get_freeze_count(), a walk of every frozen object, 24 ms in a check's driver (6 x 10^5
+    frozen objects), and a demo check left 15 pauses there: +0.35 s a check, for 2% on a comparison.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
-            _age_young()
             gc.enable()
-
-
-def _age_young() -> None:
-    """Every object the GC tracks into its oldest generation, without traversing any: gc.freeze
-    moves them all to the permanent generation and gc.unfreeze back to the oldest, list splices both.
-    They are freed by reference counting as usual, and a cycle among them waits for the next full
-    pass instead of a young one. Not in a process that froze objects of its own (`gc_frozen`, or its
-    own gc.freeze before forking): unfreezing would undo its freeze, and freezing ours with them would
-    keep any cycle among them from the GC until it unfreezes, if ever."""
-    if gc.get_freeze_count():
-        return
-    gc.freeze()
-    gc.unfreeze()
 
 
 @contextlib.contextmanager

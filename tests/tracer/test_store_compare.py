@@ -448,34 +448,6 @@ def test_gc_frozen_keeps_old_objects_out_of_gc_passes_and_leaves_a_users_freeze_
         gc.unfreeze()
 
 
-def test_what_a_gc_pause_allocated_skips_the_young_passes_and_its_garbage_is_still_collected():
-    """tracer.heap.gc_paused moves what it allocated to the oldest generation when it ends (a young
-    pass over a run's manifests would free nothing); a cycle made in it and dropped is still collected
-    by a full pass; a process that froze its own heap keeps it frozen, and nothing of ours joins it."""
-    import gc
-
-    from tracer.heap import gc_paused
-
-    gc.collect()
-    with gc_paused():
-        kept = [{"shape": [i]} for i in range(20_000)]
-        cycle = [[]]
-        cycle[0].append(cycle)
-    assert gc.isenabled() and gc.get_count()[0] < 100
-    assert not any(o is kept for o in gc.get_objects(generation=0))
-    assert kept in gc.get_objects(generation=2)
-    del cycle
-    assert gc.collect() > 0
-    gc.freeze()   # a process's own freeze: left alone, and nothing of ours joins it
-    try:
-        frozen = gc.get_freeze_count()
-        with gc_paused():
-            young = [{"k": i} for i in range(1_000)]
-        assert gc.get_freeze_count() == frozen and any(o is young for o in gc.get_objects())   # not frozen
-    finally:
-        gc.unfreeze()
-
-
 def _reference_set(root: Path, jobs: list | None = None):
     from orchestrator.refcache import ReferenceSet
 
