@@ -151,7 +151,7 @@ def job_faults(s: Suite) -> None:
     s.run("rank raises", [*BASE, "fault.kind=raise", "fault.rank=1", "fault.step=1"], {2}, 300,
           must="rank 1 raised")
     s.run("rank killed mid-step", [*BASE, "fault.kind=exit", "fault.rank=1", "fault.step=1"], {2}, 300,
-          must="rank 1's worker process died")
+          must="rank 1's process exited with code 17")
     s.run("rank hangs in collective", [*BASE, "fault.kind=hang", "fault.rank=0", "fault.step=1",
                                        "timeout_s=40"], {2}, 40 + 180, must="timed out")
 

@@ -1,13 +1,13 @@
 """Fresh rank processes without the start-up cost: fork each from a warm process, the rank host.
 
-In-process jobs other than the built-in trainer need a fresh process per rank (rank_tasks.RankHost
-says why: DTensor, megatron-core and transformers keep process-global state), and so does a command's
-`python SCRIPT` (warm_python.py). A fresh process pays 5-10 s of CPU before the job's first line runs:
-Python and Ray, torch, `torch._dynamo` (imported by the first optimizer) and megatron-core or
-transformers. Here a warm host (a Ray actor, one per pool and node: rank_tasks.py) imports those once
-and forks one child per rank. The child starts with the modules loaded and no job state, as a fresh
-process that had imported them would; the host itself never runs a job, so it stays clean for the
-next fork.
+In-process jobs need a fresh process per rank (rank_tasks.RankHost says why: DTensor, megatron-core
+and transformers keep process-global state; the built-in trainer keeps none, but a fork is cheaper
+than a warm Ray worker per concurrent rank), and so does a command's `python SCRIPT`
+(warm_python.py). A fresh process pays 5-10 s of CPU before the job's first line runs: Python and
+Ray, torch, `torch._dynamo` (imported by the first optimizer) and megatron-core or transformers.
+Here a warm host (a Ray actor, one per pool and node: rank_tasks.py) imports those once and forks
+one child per rank. The child starts with the modules loaded and no job state, as a fresh process
+that had imported them would; the host itself never runs a job, so it stays clean for the next fork.
 
 What the host imports before forking is fixed (`preloads`): torch for every job, and the entrypoint
 module itself only when it is ttrace's own adapter. A user's module is always imported in the child,
@@ -188,12 +188,18 @@ _KNOWN = {c.__name__: c for c in (ConfigError, JobError, TraceError)}
 
 def _rebuilt(error: dict[str, str]) -> BaseException:
     """The child's exception, as the same class where it can be rebuilt from its message (so the
-    scheduler reports it exactly as an in-process rank's), else a RuntimeError naming the class."""
+    scheduler reports it exactly as an in-process rank's): ttrace's errors, builtins, and classes of
+    modules this host had imported before the fork (torch's, ttrace's trainer's: never a user's
+    module, which is imported in the child only). Else a RuntimeError naming the class."""
     name, module, message = error["type"], error["module"], error["message"]
     cls = _KNOWN.get(name) if module.startswith("tracer.") else None
     if cls is None and module == "builtins":
         cls = getattr(builtins, name, None)
+    if cls is None and module in sys.modules and "." not in name:
+        cls = getattr(sys.modules[module], name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         with contextlib.suppress(Exception):
-            return cls(message)
+            rebuilt = cls(message)
+            if str(rebuilt) == message:
+                return rebuilt
     return RuntimeError(f"{module}.{name}: {message}")

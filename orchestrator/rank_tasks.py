@@ -1,17 +1,22 @@
 """What Ray runs for one rank: the rendezvous task, the rank tasks, and the rank hosts that fork the
 ranks needing a fresh process (scheduling: cluster.py).
 
-The built-in trainer's ranks run in a warm Ray worker itself. Every other job gets a fresh process per
-rank, forked by the *rank host* of its pool on the rank's node (forked_rank.py): a Ray actor that
-imports torch (and ttrace's adapter) once and forks every rank of that pool, `python SCRIPT` commands
-(warm_python.py) and in-process entrypoints alike. The rank's task holds the rank's place in the job's
-placement group and waits for its fork; stopping the job kills that task, and the fork dies with it.
+Every job's ranks, the built-in trainer's included, are fresh processes forked by the *rank host* of
+the job's pool on the rank's node (forked_rank.py): a Ray actor that imports torch (and ttrace's
+trainer or adapter) once and forks every rank of that pool, `python SCRIPT` commands
+(warm_python.py) and in-process entrypoints alike. Only a command that cannot start warm (another
+program) runs as a child of the rank's own worker. The rank's task holds the rank's place in the
+job's placement group and waits for its fork; stopping the job kills that task, and the fork dies
+with it.
 
 One host per pool and node, not one warm worker per concurrent rank: Ray starts a worker for every
-rank task it runs at once, and a check runs 1 + R + 1 jobs at once (plus an isolation pass). Each such
-worker paid Ray, torch and the adapter (5-7 s of CPU) to fork one or two ranks: a clean HF check and a
-bug check started 8 of them and 7 more for the rendezvous tasks (whose workers the rank tasks now
-share). This module imports nothing heavy at the top: a worker that only runs a rendezvous or waits
+rank task it runs at once, and a check runs 1 + R + 1 jobs at once (plus an isolation pass). Each
+such worker paid Ray, torch and the adapter (5-7 s of CPU) to fork one or two ranks: a clean HF
+check and a bug check started 8 of them and 7 more for the rendezvous tasks (whose workers the rank
+tasks now share). The built-in trainer's ranks ran in such workers too until 2026-11-27: a `make
+test` started 36 of them (each importing torch and the trainer, ~4 s of CPU), and a first tp2 check
+on a fresh cluster took 15-27 s (29-53 CPU-seconds) against 8.5-9 s (14-15) forked; a fork costs
+~0.1 s. This module imports nothing heavy at the top: a worker that only runs a rendezvous or waits
 for a hosted rank never imports torch.
 """
 
@@ -130,18 +135,16 @@ def rank_host(pool: str, node: str) -> Any:
 
 def rank_task(spec: dict[str, Any]) -> tuple[Any, str | None]:
     """The remote function a job's ranks run, and the pool whose host forks them (None: the rank
-    runs in its worker). The built-in trainer runs in the worker; so does a command that cannot start
-    warm (another program, an interpreter flag, job.warm_start=false), as that worker's child. A
-    warm `python SCRIPT` forks from the torch-only pool (warm_python.py), an in-process entrypoint
-    from its own (forked_rank.preloads)."""
+    runs in its worker). A command that cannot start warm (another program, an interpreter flag,
+    job.warm_start=false) runs as its worker's child. A warm `python SCRIPT` forks from the
+    torch-only pool (warm_python.py), an in-process entrypoint, the built-in trainer's included, from
+    its own (forked_rank.preloads)."""
     from orchestrator.forked_rank import host_key
-    from orchestrator.jobs import BUILTIN_ENTRYPOINT, command_argv
+    from orchestrator.jobs import command_argv
     from orchestrator.warm_python import warm_start
 
     job = spec.get("job") or {}
     if job.get("command"):
         argv = command_argv(str(job["command"]), {**os.environ, **(job.get("env") or {})})
         return (_rank_hosted, host_key(spec)) if warm_start(job, argv) else (_rank, None)
-    if job.get("entrypoint") in (None, "", BUILTIN_ENTRYPOINT):
-        return _rank, None
     return _rank_hosted, host_key(spec)

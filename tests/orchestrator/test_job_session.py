@@ -231,9 +231,10 @@ def test_a_perturbed_run_moves_its_weights_after_every_step_only_when_asked(step
 
 
 def test_a_reused_process_keeps_no_finished_jobs_session(tmp_path):
-    """A Ray worker runs job after job in one process (the built-in trainer's ranks): once a job is
-    done nothing may keep its session alive. An exit handler per session once did, with the writer's
-    32 MB slabs: +100 MB of RSS per job until Ray's memory monitor killed ranks. The worker's own
+    """A process that runs job after job (the built-in trainer's ranks in Ray workers did until they
+    were forked; bench/perf.py's sessions still do): once a job is done nothing may keep its session
+    alive. An exit handler per session once did, with the writer's 32 MB slabs: +100 MB of RSS per
+    job until Ray's memory monitor killed ranks. The worker's own
     objects are frozen out of the GC's passes while a job runs, and thawed after it."""
     script = f"""
 import gc, socket
@@ -313,3 +314,50 @@ def test_a_forked_rank_dies_with_the_rank_task_that_asked_for_it(tmp_path):
     ready.unlink()
     with pytest.raises(JobError, match="killed by SIGKILL"):
         run_forked(rank, {"job": {"entrypoint": "probe:main"}}, 0, requester=task.pid)
+
+
+def test_a_forked_ranks_exception_is_rebuilt_as_its_class_where_the_host_knows_it(monkeypatch):
+    """What a forked rank raised reaches the scheduler as the same class, where the host can rebuild
+    it from its message without importing anything: ttrace's errors, builtins, classes of modules
+    imported before the fork (the built-in trainer's injected fault). A class of a module the host
+    never imported (a user's), or one that does not give its message back, is a RuntimeError naming
+    it, with the message."""
+    import types
+
+    from orchestrator.forked_rank import run_forked
+    from tracer.errors import TraceError
+    from workloads.faults import InjectedFault
+
+    loaded = types.ModuleType("probe_errors")   # a module the host had imported before the fork
+
+    class Prefixed(Exception):   # its message is not what it was built from
+        def __init__(self, message):
+            super().__init__(f"probe: {message}")
+
+    class TwoArgs(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a}/{b}")
+
+    for cls in (Prefixed, TwoArgs):
+        cls.__module__, cls.__qualname__ = "probe_errors", cls.__name__
+        setattr(loaded, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, "probe_errors", loaded)
+
+    def raising(error):
+        def rank(spec, _rank):
+            raise error
+        return rank
+
+    spec = {"job": {"entrypoint": "probe:main"}}
+    for error in (TraceError("bad part"), ValueError("bad value"), InjectedFault("injected on rank 1")):
+        with pytest.raises(type(error), match=str(error)) as got:
+            run_forked(raising(error), spec, 1)
+        assert type(got.value) is type(error)
+    for error, text in ((Prefixed("x"), "probe_errors.Prefixed: probe: x"),
+                        (TwoArgs("x", "y"), "probe_errors.TwoArgs: x/y")):
+        with pytest.raises(RuntimeError) as got:
+            run_forked(raising(error), spec, 1)
+        assert type(got.value) is RuntimeError and str(got.value) == text
+    unknown = type("UserError", (Exception,), {"__module__": "mypkg.never_imported"})
+    with pytest.raises(RuntimeError, match=r"^mypkg\.never_imported\.UserError: from the user$"):
+        run_forked(raising(unknown("from the user")), spec, 1)

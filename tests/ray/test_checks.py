@@ -77,7 +77,7 @@ def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overri
 
 FAULTS = {
     "raise": "failed: rank 1 raised workloads.faults.InjectedFault",   # a rank raises mid-step
-    "exit": "rank 1's worker process died",   # a rank's process dies mid-step
+    "exit": "rank 1's process exited with code 17 before reporting a result",   # dies mid-step
     "hang": "job 'candidate' timed out",      # a rank blocks; its peer waits in a collective
 }
 

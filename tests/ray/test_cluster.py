@@ -29,23 +29,25 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
 
 
 def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_pool():
-    """The built-in trainer keeps no process-global state and runs in warm workers itself. A command's
-    rank is a child process: `python SCRIPT` forked by the host of the torch-only pool (warm_python.py),
-    any other program (or job.warm_start=false) started from any warm worker. Other entrypoints are
-    forked, each adapter by the host of its own pool (megatron-core's import-time shims never reach
-    another job's ranks), a user's entrypoint by the torch-only host (its module is never imported
-    before the fork, so a long-lived host cannot run a stale copy)."""
+    """A command's rank is a child process: `python SCRIPT` forked by the host of the torch-only pool
+    (warm_python.py), any other program (or job.warm_start=false) started from any warm worker.
+    Entrypoints are forked, the built-in trainer and each adapter by the host of its own pool
+    (megatron-core's import-time shims never reach another job's ranks), a user's entrypoint by the
+    torch-only host (its module is never imported before the fork, so a long-lived host cannot run a
+    stale copy)."""
     from orchestrator import rank_tasks
     from orchestrator.forked_rank import preloads
     from orchestrator.recipe import compose, job_of
 
-    assert rank_tasks.rank_task({"job": job_of(compose([]))}) == (rank_tasks._rank, None)
+    builtin = {"job": job_of(compose([]))}
+    assert rank_tasks.rank_task(builtin) == (rank_tasks._rank_hosted, "workloads.train")
+    assert "workloads.train" in preloads(builtin)
     command = {"job": job_of(compose(["job.command=python train.py"]))}
     assert rank_tasks.rank_task(command) == (rank_tasks._rank_hosted, "torch._dynamo")
     for fresh in (["job.command=bash train.sh"], ["job.command=python -u train.py"],
                   ["job.command=python train.py", "job.warm_start=false"]):
         assert rank_tasks.rank_task({"job": job_of(compose(fresh))}) == (rank_tasks._rank, None), fresh
-    pools = set()
+    pools = {"workloads.train"}
     for job in ("torch_native", "hf", "megatron_core"):
         spec = {"job": job_of(compose([f"job={job}"]))}
         task, pool = rank_tasks.rank_task(spec)
@@ -54,7 +56,7 @@ def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_p
     user = {"job": {"entrypoint": "mypkg.train:main"}}
     assert "mypkg.train" not in preloads(user)
     pools.add(rank_tasks.rank_task(user)[1])
-    assert len(pools) == 4
+    assert len(pools) == 5
 
 
 _PROBE = """
