@@ -13,7 +13,9 @@ from tracer.kernels.loops import (
     U,
     count_nonfinite,
     deviations,
+    fresh_ratios,
     largest,
+    largest_ratio,
     max_into,
     own_into,
     ratios_into,
@@ -32,7 +34,8 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
     masked = judged.shape[0] > 0
     out = np.zeros((7, T))
     dc2, dc_max, r_dc, elem, nonfinite, rc_err, own = out
-    a, w, mt, acc, acc_rc = np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE)
+    a, w, mt = np.zeros(TILE), np.zeros(TILE), np.zeros(TILE)
+    acc, acc_rc = np.zeros((2, TILE)), np.zeros((2, TILE))   # running ratios (loops.fresh_ratios)
     da = np.zeros(TILE)   # running maxima of |c - r| per piece position (vectorizes; see reference.py)
     for t in range(T):
         s0, n, u = U(starts[t]), lens[t], units[t]
@@ -45,8 +48,8 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
         w_rms = rc_rms[t]
         s2, dot = 0.0, 0.0
         da[:] = 0.0
-        acc[:] = 0.0
-        acc_rc[:] = 0.0
+        fresh_ratios(acc)
+        fresh_ratios(acc_rc)
         for i in range(nr):
             for j0 in range(0, nc, TILE):
                 m = min(TILE, nc - j0)
@@ -69,14 +72,14 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
                     ratios_into(acc_rc, a, U(0), w, m)
         # max_into skips NaN, the sum of squares does not: a NaN deviation makes the largest NaN.
         dc2[t], dc_max[t], r_dc[t] = s2, largest(da, TILE) if s2 == s2 else s2, dot
-        elem[t] = largest(acc, TILE)
-        rc_err[t] = largest(acc_rc, TILE)
+        elem[t] = largest_ratio(acc, TILE)
+        rc_err[t] = largest_ratio(acc_rc, TILE)
         if masked or not math.isfinite(s2):
             nonfinite[t] = count_nonfinite(c, s0, n)
         if viewed:   # own_err: the candidate's deviations in the units fitted to them
             total = rs.sum()
             i_c, i_r, i_n = 1.0 / (nc - 1), 1.0 / (nr - 1), 1.0 / (nr * nc - 1)
-            acc[:] = 0.0
+            fresh_ratios(acc)
             for i in range(nr):
                 for j0 in range(0, nc, TILE):
                     m = min(TILE, nc - j0)
@@ -85,5 +88,5 @@ def candidate(c, r, env, judged, starts, lens, units, rms, nu, rows, cols, a_off
                     for j in range(U(m)):
                         mt[j] = u * (abs(np.float64(r[lo + j])) + w_rms)
                     own_into(acc, a, U(0), mt, rs[i], cs, U(j0), total, i_c, i_r, i_n, m)
-            own[t] = largest(acc, TILE)
+            own[t] = largest_ratio(acc, TILE)
     return dc2, dc_max, r_dc, elem, nonfinite, rc_err, own

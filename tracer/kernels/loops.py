@@ -59,11 +59,14 @@ def max_into(acc, x, xo, m):
 
 @numba.njit(**INLINE)
 def ratios_into(acc, x, xo, w, m):
-    """acc[:m] = max(acc[:m], x[xo:xo + m] / w[:m]): 0/0 ignored, x/0 inf."""
+    """acc (running ratios, `fresh_ratios`) takes the larger of itself and x[xo:xo + m] / w[:m]:
+    0/0 ignored, x/0 inf."""
+    num, den = acc[0], acc[1]
     for j in range(U(m)):
-        q = x[xo + j] / w[j]
-        c = acc[j]
-        acc[j] = q if q > c else c
+        v, d = x[xo + j], w[j]
+        up = v * den[j] > num[j] * d
+        num[j] = v if up else num[j]
+        den[j] = d if up else den[j]
 
 
 @numba.njit(**INLINE)
@@ -82,22 +85,24 @@ def top_two_into(top, second, x, xo, m):
 
 @numba.njit(**INLINE)
 def loo_ratios_into(acc, x, xo, top, second, mt, c, m):
-    """acc[:m] = max(acc[:m], x_j / w_j), w_j = (the largest of the other runs' x) + mt_j c, where
+    """acc (running ratios) takes x_j / w_j, w_j = (the largest of the other runs' x) + mt_j c, where
     top and second hold the largest two over every run, x's included (top_two_into): 0/0 ignored,
     x/0 inf."""
+    num, den = acc[0], acc[1]
     for j in range(U(m)):
         v = x[xo + j]
         w = (second[j] if v >= top[j] else top[j]) + mt[j] * c
-        q = v / w
-        a = acc[j]
-        acc[j] = q if q > a else a
+        up = v * den[j] > num[j] * w
+        num[j] = v if up else num[j]
+        den[j] = w if up else den[j]
 
 
 @numba.njit(**INLINE)
 def own_into(acc, x, xo, room, row_sum, cs, co, total, i_c, i_r, i_n, m):
-    """acc[:m] = max(acc[:m], |x| / w), w = sqrt(a b / m) + room fitted without each element's own
+    """acc (running ratios) takes |x| / w, w = sqrt(a b / m) + room fitted without each element's own
     square (tracer.tolerance.own_err): a = (row_sum - x^2) / (cols - 1), b = (cs - x^2) / (rows - 1),
     m = (total - x^2) / (n - 1) (i_c, i_r, i_n the reciprocals)."""
+    num, den = acc[0], acc[1]
     for j in range(U(m)):
         v = x[xo + j]
         sq = v * v
@@ -106,9 +111,29 @@ def own_into(acc, x, xo, room, row_sum, cs, co, total, i_c, i_r, i_n, m):
         mm = max(total - sq, 0.0) * i_n
         fit = a * b / mm
         w = math.sqrt(fit if mm > 0.0 else 0.0) + room[j]
-        q = v / w
-        c = acc[j]
-        acc[j] = q if q > c else c
+        up = v * den[j] > num[j] * w
+        num[j] = v if up else num[j]
+        den[j] = w if up else den[j]
+
+
+@numba.njit(**INLINE)
+def fresh_ratios(acc):
+    """Running ratios emptied: every position holds 0/1. A position keeps the pair (num, den) of its
+    largest ratio so far, compared as v den > num w: two multiplications where a division per element
+    and run made most of the kernels' time (a division has ~10x a multiplication's throughput cost).
+    Exact but for products beyond float64's range, i.e. values above ~1e154 (traced float32, bf16 and
+    fp8 values stay below 1e39)."""
+    acc[0, :] = 0.0
+    acc[1, :] = 1.0
+
+
+@numba.njit(**INLINE)
+def largest_ratio(acc, m):
+    """The largest ratio the running ratios hold (0 for none): one division per position."""
+    best = 0.0
+    for j in range(m):
+        best = max(best, ratio(acc[0, j], acc[1, j]))
+    return best
 
 
 @numba.njit(**INLINE)

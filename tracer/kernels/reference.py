@@ -13,7 +13,9 @@ from tracer.kernels.loops import (
     U,
     count_nonfinite,
     deviations,
+    fresh_ratios,
     largest,
+    largest_ratio,
     loo_ratios_into,
     max_into,
     own_into,
@@ -48,8 +50,8 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
     moved = np.zeros(T, dtype=np.int64)
     pn2, dots, scl, nu_u = np.zeros(R), np.zeros(R), np.zeros(R), np.zeros(R)
     a = np.zeros(max(R, 1) * TILE)   # |p_k - r| of the piece, run k at k * TILE
-    e, w, mt, acc, acc_rc, acc_own = (np.zeros(TILE), np.zeros(TILE), np.zeros(TILE), np.zeros(TILE),
-                                      np.zeros(TILE), np.zeros(TILE))
+    e, w, mt = np.zeros(TILE), np.zeros(TILE), np.zeros(TILE)
+    acc, acc_rc, acc_own = np.zeros((2, TILE)), np.zeros((2, TILE)), np.zeros((2, TILE))   # running ratios
     top, second = np.zeros(TILE), np.zeros(TILE)
     ra, ea = np.zeros(TILE), np.zeros(TILE)   # running maxima of |r| and of e, per piece position
     for t in range(T):
@@ -176,9 +178,9 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
             i_c, i_r, i_n = 1.0 / (nc - 1), 1.0 / (nr - 1), 1.0 / (nr * nc - 1)
         # Pass 2: each perturbed run against the scale of the others (leave-one-out), and in its own
         # fitted row-column units.
-        acc[:] = 0.0
-        acc_rc[:] = 0.0
-        acc_own[:] = 0.0
+        fresh_ratios(acc)
+        fresh_ratios(acc_rc)
+        fresh_ratios(acc_own)
         for i in range(nr):
             for j0 in range(0, nc, TILE):
                 m = min(TILE, nc - j0)
@@ -207,8 +209,8 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
                                 w[j] = la_k * lc[co + j] + mt[j]
                             ratios_into(acc_rc, a, ao, w, m)
                         own_into(acc_own, a, ao, mt, rs[k, i], cs, co, tot[k], i_c, i_r, i_n, m)
-        elem_noise[t] = largest(acc, TILE)
-        rc_noise[t] = largest(acc_rc, TILE)
-        own_noise[t] = largest(acc_own, TILE)
+        elem_noise[t] = largest_ratio(acc, TILE)
+        rc_noise[t] = largest_ratio(acc_rc, TILE)
+        own_noise[t] = largest_ratio(acc_own, TILE)
     return (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean,
             scale_spread, ref_nf, pert_nf, moved, rc_rms, rc_noise, own_noise)
