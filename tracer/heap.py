@@ -8,6 +8,8 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
+import threading
 from collections.abc import Iterator
 
 
@@ -54,18 +56,50 @@ def gc_paused() -> Iterator[None]:
     lists (none in a cycle), and every generation-2 pass rescans all objects alive. Measured on five 16x runs:
     load 1.6-2.3 s with the GC running, 1.0 s paused.
 
-    Leaving a pause does not move what it allocated to the oldest generation (gc.freeze then
-    gc.unfreeze; tried in c93dfea, reverted): skipping that for a process that froze its own heap
-    takes gc.get_freeze_count(), a walk of every frozen object, 24 ms in a check's driver (6 x 10^5
-    frozen objects), and a demo check left 15 pauses there: +0.35 s a check, for 2% on a comparison.
-    """
+    On leaving the outermost pause, what it allocated is moved to the oldest generation without a
+    pass (`_age_young`): otherwise the first allocation after it starts a young-generation pass over
+    all of it, mostly objects that live on (a run's manifests, the walk's spans) and that the pass
+    cannot free. Measured on a 16x comparison loading its 5 runs one by one: 0.02-0.30 s of such
+    passes in a ~1 s comparison, none after (median of 12 comparisons 1.015 -> 0.996 s; the
+    comparison bench's 16x ratio 0.42-0.45 without it, 0.46-0.52 with it, interleaved)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            _age_young()
             gc.enable()
+
+
+def _age_young() -> None:
+    """Every object the GC tracks into its oldest generation, without traversing any: gc.freeze
+    moves them all to the permanent generation and gc.unfreeze back to the oldest, list splices both.
+    They are freed by reference counting as usual, and a cycle among them waits for the next full
+    pass instead of a young one. Not in a process that froze objects of its own (`gc_frozen`, or its
+    own gc.freeze before forking): unfreezing would undo its freeze, and freezing ours with them would
+    keep any cycle among them from the GC until it unfreezes, if ever.
+
+    Our own freeze is known without asking the GC: gc.get_freeze_count() walks every frozen object
+    (24 ms in a check's driver, 6 x 10^5 of them), and asking it at every pause's end cost a demo
+    check 15 such walks, +0.35 s (c93dfea). A process that froze its own heap pays that walk here."""
+    with _FREEZE_LOCK:
+        if _OURS or gc.get_freeze_count():
+            return
+        gc.freeze()
+        gc.unfreeze()
+
+
+_FREEZE_LOCK = threading.Lock()   # a freeze and its check are one step for the threads of a process
+_OURS: list[bool] = []            # gc_frozen blocks holding the freeze (inherited by a fork made in one)
+
+
+def _fresh_lock() -> None:   # a fork made while another thread held the lock must not inherit it held
+    global _FREEZE_LOCK
+    _FREEZE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 
 @contextlib.contextmanager
@@ -77,12 +111,19 @@ def gc_frozen() -> Iterator[None]:
     rescans them all. Measured: warm demo comparisons took 0.73-1.43 s with them scanned and
     0.57-0.84 s frozen; a warm built-in reference job took 0.37 s when a pass fell in it (0.16 s of
     GC) and 0.21-0.23 s otherwise. A process that froze objects of its own (gc.get_freeze_count() >
-    0) is left as it is: unfreezing would undo its freeze."""
-    if gc.get_freeze_count():
+    0) is left as it is: unfreezing would undo its freeze. Nested in one of ours, nothing is asked
+    of the GC (`_age_young` says why)."""
+    with _FREEZE_LOCK:
+        ours = not _OURS and not gc.get_freeze_count()
+        if ours:
+            gc.freeze()
+            _OURS.append(True)
+    if not ours:
         yield
         return
-    gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _FREEZE_LOCK:
+            _OURS.pop()
+            gc.unfreeze()
