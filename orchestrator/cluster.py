@@ -45,7 +45,7 @@ def ensure_ray(cluster: dict[str, Any]) -> float:
         else:
             num_cpus = cluster.get("num_cpus") or max(os.cpu_count() or 1, MIN_LOCAL_CPUS)
             # Idle workers beyond the soft limit are killed after a second; warm ones are worth keeping
-            # (the built-in trainer's and each pool of forking workers, forked_rank.py).
+            # (a check's rank tasks and rendezvous each hold one; the rank hosts are actors).
             ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env,
                      log_to_driver=False, logging_level="ERROR",
                      _system_config={"num_workers_soft_limit": 3 * num_cpus})
@@ -139,7 +139,13 @@ def run_jobs(jobs: list[Job], *, cpus_per_rank: float, timeout_s: float, error_d
                 if started is None:
                     ready, _ = ray.wait([pg_ready], timeout=0)
                     if ready:
-                        refs = _launch(job, pg)
+                        try:
+                            refs = _launch(job, pg)
+                        except JobError as e:
+                            job.error = f"job '{job.name}' could not start: {e}"
+                            _finish(running, key, cancel=True)
+                            notify()
+                            continue
                         running[key] = (job, (pg, pg_ready), refs, time.monotonic())
                         job.state = "running"
                         unfinished += refs
@@ -215,13 +221,28 @@ def _launch(job: Job, pg: Any) -> list[ray.ObjectRef]:
             .remote(job.spec, i, job.world_size, rdzv, local[i], *host(i)) for i in range(job.world_size)]
 
 
+NODE_WAIT_S = 10.0   # how long a ready placement group's bundle nodes may stay unreported
+
+
 def _bundle_nodes(pg: Any, world_size: int) -> list[str]:
-    """The node each of the job's bundles was placed on (its placement group is ready)."""
-    try:
-        nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
-    except Exception:
-        nodes = {}
-    return [nodes.get(i, "") for i in range(world_size)]
+    """The node each of the job's bundles was placed on (its placement group is ready): its ranks'
+    hosts are started there. A JobError if Ray's table does not say within NODE_WAIT_S (a rank host
+    given no node would raise inside the scheduling loop, taking the other checks with it)."""
+    deadline, why = time.monotonic() + NODE_WAIT_S, "no node listed"
+    while True:
+        try:
+            nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+        except Exception as e:   # the GCS did not answer
+            nodes, why = {}, f"{type(e).__name__}: {e}"
+        found = [nodes.get(i, "") for i in range(world_size)]
+        if all(found):
+            return found
+        if time.monotonic() > deadline:
+            lost = [i for i, n in enumerate(found) if not n]
+            raise JobError(f"Ray did not report the node of bundle(s) {lost} of its placement group within "
+                           f"{NODE_WAIT_S:.0f}s ({why}), so their ranks had nowhere to start; check the "
+                           "cluster's health (`ray status`) and rerun")
+        time.sleep(0.1)
 
 
 def _local_ranks(node: list[str]) -> list[tuple[int, int]]:

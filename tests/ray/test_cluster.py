@@ -28,6 +28,41 @@ def test_a_queued_job_asks_once_whether_its_placement_group_is_ready(ray_cluster
     assert len(calls) == 2 and calls[0] == blocker.id   # the blocker's own ready(), then the job's once
 
 
+def test_a_job_whose_bundle_nodes_ray_does_not_report_fails_alone_with_a_message(ray_cluster, tmp_path,
+                                                                               monkeypatch):
+    """A ready placement group whose bundles' nodes Ray's table does not list (a GCS that did not
+    answer: a fault that cannot be caused on a healthy local cluster, so its answer is withheld here)
+    leaves its job's ranks nowhere to start: that job fails with a message and the scheduling loop
+    goes on with the others, which finish as usual."""
+    from orchestrator import cluster
+
+    real = ray.util.placement_group_table
+    cut = {}
+
+    def table(pg=None):
+        got = real(pg)
+        if pg is not None and pg.id == cut.get("pg"):
+            got = dict(got, bundles_to_node_id={})
+        return got
+
+    real_launch = cluster._launch
+
+    def launch(job, pg):
+        if job.name == "lost":
+            cut["pg"] = pg.id
+        return real_launch(job, pg)
+
+    monkeypatch.setattr(ray.util, "placement_group_table", table)
+    monkeypatch.setattr(cluster, "_launch", launch)
+    monkeypatch.setattr(cluster, "NODE_WAIT_S", 0.5)
+    lost, other = Job("lost", {}, world_size=1), Job("other", {}, world_size=1)
+    run_jobs([lost, other], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    assert lost.state == "failed" and lost.error.startswith("job 'lost' could not start: Ray did not report "
+                                                           "the node of bundle(s) [0]"), lost.error
+    assert "ray status" in lost.error
+    assert other.state == "failed" and "rank 0 raised" in other.error, other.error   # ran: its spec is empty
+
+
 def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_pool():
     """A command's rank is a child process: `python SCRIPT` forked by the host of the torch-only pool
     (warm_python.py), any other program (or job.warm_start=false) started from any warm worker.
