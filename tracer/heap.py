@@ -99,7 +99,8 @@ def _fresh_lock() -> None:   # a fork made while another thread held the lock mu
     _FREEZE_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_fresh_lock)
+if hasattr(os, "register_at_fork"):   # not on Windows
+    os.register_at_fork(after_in_child=_fresh_lock)
 
 
 @contextlib.contextmanager

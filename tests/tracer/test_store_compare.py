@@ -499,6 +499,41 @@ def test_inside_our_own_freeze_no_pause_or_nested_freeze_walks_the_frozen_heap(m
     assert gc.get_freeze_count() == 0
 
 
+def test_a_fork_made_while_another_thread_holds_the_freeze_lock_can_still_pause_the_gc():
+    """A rank host forks from one thread while others run: a child that inherited the freeze lock held
+    would hang at its first GC pause's end. The lock is renewed in the child."""
+    import os
+    import threading
+    import time
+
+    from tracer import heap
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with heap._FREEZE_LOCK:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:   # the child: exit 0 once a pause ended
+        with heap.gc_paused():
+            pass
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] == pid and os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0, done
+    finally:
+        release.set()
+
+
 def _reference_set(root: Path, jobs: list | None = None):
     from orchestrator.refcache import ReferenceSet
 
