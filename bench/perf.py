@@ -5,8 +5,9 @@
   writer, kept below as LegacyTraceWriter: a copy per tensor, safetensors.save, sha256), all in the
   same run, in fresh processes interleaved round by round. Exits 1 when a goal is missed
   (full <= 1.3x, stats <= 1.1x).
-  `paired` beside them: the same ratio with traced and untraced steps interleaved in blocks of 4 in
-  one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's figure.
+  `paired` beside them: the same ratio with traced and untraced steps (taps off) interleaved in blocks
+  of 4 in one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's
+  figure.
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
   peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
@@ -96,17 +97,27 @@ PAIRED_BLOCK = 4   # paired: this many steps traced, then as many with tracing p
 
 def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[float],
                     paused: list[float]) -> Any:
-    """The job's session with tracing paused on every other block of PAIRED_BLOCK steps: traced and
+    """The job's session with tracing off on every other block of PAIRED_BLOCK steps: traced and
     untraced steps of ONE process, interleaved every ~0.2 s, well under the swings of a shared
     machine's load, which move the step time of separate processes by 10-30% (the interleaved
     rounds of `tracer_overhead` average them out only over many rounds). A block's first step is
     not counted: it pays the writer thread's work on the block before (and step 0, one-off
-    allocations). A paused step still passes through the idle forward hooks (~3 us per traced module,
-    ~0.4 ms of a gpt_tiny step): the paired ratio errs low by about that much."""
+    allocations). An untraced block runs with the taps taken off its modules (tracer/forward_taps.py),
+    so its steps are as a run without ttrace takes them (until 2026-11-27 they passed through the
+    idle taps, and the ratio erred low by ~0.4 ms of a gpt_tiny step)."""
     import contextlib
 
+    from tracer.forward_taps import ForwardTap
     from tracer.job import Session
     from tracer.job_config import JobConfig
+
+    def taps(tracer: Any, on: bool) -> None:
+        for h in tracer._handles:
+            if isinstance(h, ForwardTap):   # a module with hooks of its own keeps its hook, idle
+                if on:
+                    h._module.forward = h._wrapper
+                else:
+                    h._module.__dict__.pop("forward", None)
 
     class PairedSession(Session):
         def step(self, step: int) -> Any:
@@ -114,6 +125,8 @@ def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[floa
             def timed():
                 block, at = divmod(step, PAIRED_BLOCK)
                 on, tracer = block % 2 == 0, self._tracer
+                if at == 0:
+                    taps(tracer, on)
                 t0 = time.perf_counter()
                 with Session.step(self, step):
                     if not on:   # what the hooks and records check (tracer.collector.Tracer)
