@@ -57,6 +57,11 @@ def header_block(header_json: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+# How a filesystem refuses O_DIRECT: EINVAL (tmpfs before Linux 6.6, overlay, some network
+# filesystems), EOPNOTSUPP / ENOTSUP (some FUSE filesystems).
+REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+
+
 def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> bool:
     """Write `head` (a multiple of ALIGN bytes) then the first `nbytes` of `slab` (`aligned_slab`) to
     `path` with O_DIRECT, the file cut to its exact length. False, having written nothing that stays,
@@ -67,7 +72,7 @@ def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> boo
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
     except OSError as e:
-        if e.errno == errno.EINVAL:
+        if e.errno in REFUSALS:
             return False
         raise
     try:
@@ -77,7 +82,7 @@ def write_direct(path: str, head: bytes, slab: torch.Tensor, nbytes: int) -> boo
         _write_all(fd, memoryview(_blocks(slab, nbytes)), len(head))
         os.ftruncate(fd, len(head) + nbytes)
     except OSError as e:
-        if e.errno != errno.EINVAL:
+        if e.errno not in REFUSALS:   # ENOSPC, EIO, ...: the store's own failure, the job's error
             raise
         os.unlink(path)   # opened, but this file's device wants another alignment
         return False

@@ -131,11 +131,30 @@ def test_a_part_goes_to_a_local_directory_with_o_direct_and_safetensors_reads_it
     assert all(torch.equal(trace[k].tensor, t) for p in parts for k, t in p.items())
 
 
-@pytest.mark.parametrize("refusal", ["EINVAL", "no O_DIRECT"])
+def test_a_store_that_fails_a_direct_write_fails_the_job_and_commits_no_manifest(tmp_path, monkeypatch):
+    """A disk full (ENOSPC) under an O_DIRECT write is the store's failure, not a refusal of O_DIRECT:
+    the writer does not retry it through the page cache, the job gets a TraceError naming the store,
+    and no manifest is committed (a comparison reports the rank as uncommitted). Simulated: a full
+    disk cannot be caused here without filling the machine's."""
+    real_pwrite = os.pwrite
+
+    def full_disk(fd, data, offset):
+        if offset > 0:   # after the header: mid-part
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr("tracer.direct_io.os.pwrite", full_disk)
+    with pytest.raises(TraceError, match=r"writing trace to .* failed: \[Errno 28\]"):
+        _write(tmp_path, "r")
+    assert not (tmp_path / "r" / "rank00000" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("refusal", ["EINVAL", "EOPNOTSUPP", "no O_DIRECT"])
 def test_a_filesystem_that_refuses_o_direct_gets_its_parts_through_the_page_cache(tmp_path, monkeypatch,
                                                                                  refusal):
-    """EINVAL on an O_DIRECT open (tmpfs before Linux 6.6, some overlay and network filesystems) turns
-    the writer to buffered writes for good, losing nothing; so does a system without O_DIRECT (macOS).
+    """EINVAL on an O_DIRECT open (tmpfs before Linux 6.6, some overlay and network filesystems), or
+    EOPNOTSUPP (some FUSE filesystems), turns the writer to buffered writes for good, losing nothing;
+    so does a system without O_DIRECT (macOS).
     Simulated: every filesystem on this machine's kernel (6.18) accepts O_DIRECT, so the refusal is
     the one fault here not caused for real."""
     real_open, refused = os.open, []
@@ -143,17 +162,17 @@ def test_a_filesystem_that_refuses_o_direct_gets_its_parts_through_the_page_cach
     def refusing_open(path, flags, *args):
         if flags & os.O_DIRECT:
             refused.append(path)
-            raise OSError(errno.EINVAL, "Invalid argument", path)
+            raise OSError(getattr(errno, refusal), os.strerror(getattr(errno, refusal)), path)
         return real_open(path, flags, *args)
 
-    if refusal == "EINVAL":
+    if refusal != "no O_DIRECT":
         monkeypatch.setattr("tracer.direct_io.os.open", refusing_open)
     else:
         monkeypatch.setattr("tracer.direct_io._O_DIRECT", 0)
     want = _write(tmp_path, "r")
     rank = tmp_path / "r" / "rank00000"
     files = json.loads((rank / "manifest.json").read_text())["files"]
-    assert len(refused) == (refusal == "EINVAL") and len(files) > 2   # refused once, then not asked
+    assert len(refused) == (refusal != "no O_DIRECT") and len(files) > 2   # refused once, then not asked
     assert all(_header_bytes(rank / f["file"]) % 4096 for f in files)
     got = load_logical(str(tmp_path), "r", 1).tensors
     assert all(torch.equal(got[n].tensor.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
