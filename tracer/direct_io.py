@@ -50,10 +50,11 @@ def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def header_block(header_json: bytes) -> bytes:
-    """The safetensors header for data starting on an ALIGN boundary: the 8-byte length and the JSON,
-    padded with spaces to a multiple of ALIGN bytes in all."""
-    text = header_json + b" " * (-(len(header_json) + 8) % ALIGN)
+def header_block(header_json: bytes, align: int = ALIGN) -> bytes:
+    """The safetensors header for data starting on an `align` boundary of the file: the 8-byte length
+    and the JSON, padded with spaces to a multiple of `align` bytes in all (8: the format's own
+    alignment, for parts written through the page cache)."""
+    text = header_json + b" " * (-(len(header_json) + 8) % align)
     return struct.pack("<Q", len(text)) + text
 
 

@@ -84,14 +84,14 @@ def _age_young() -> None:
     (24 ms in a check's driver, 6 x 10^5 of them), and asking it at every pause's end cost a demo
     check 15 such walks, +0.35 s (c93dfea). A process that froze its own heap pays that walk here."""
     with _FREEZE_LOCK:
-        if _OURS or gc.get_freeze_count():
+        if _frozen_by_us or gc.get_freeze_count():
             return
         gc.freeze()
         gc.unfreeze()
 
 
 _FREEZE_LOCK = threading.Lock()   # a freeze and its check are one step for the threads of a process
-_OURS: list[bool] = []            # gc_frozen blocks holding the freeze (inherited by a fork made in one)
+_frozen_by_us = False             # a gc_frozen block holds the freeze (inherited by a fork made in it)
 
 
 def _fresh_lock() -> None:   # a fork made while another thread held the lock must not inherit it held
@@ -114,11 +114,12 @@ def gc_frozen() -> Iterator[None]:
     GC) and 0.21-0.23 s otherwise. A process that froze objects of its own (gc.get_freeze_count() >
     0) is left as it is: unfreezing would undo its freeze. Nested in one of ours, nothing is asked
     of the GC (`_age_young` says why)."""
+    global _frozen_by_us
     with _FREEZE_LOCK:
-        ours = not _OURS and not gc.get_freeze_count()
+        ours = not _frozen_by_us and not gc.get_freeze_count()
         if ours:
             gc.freeze()
-            _OURS.append(True)
+            _frozen_by_us = True
     if not ours:
         yield
         return
@@ -126,5 +127,5 @@ def gc_frozen() -> Iterator[None]:
         yield
     finally:
         with _FREEZE_LOCK:
-            _OURS.pop()
+            _frozen_by_us = False
             gc.unfreeze()

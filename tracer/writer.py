@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import queue
-import struct
 import threading
 from typing import Any
 
@@ -226,9 +225,7 @@ class TraceWriter:
                 ranges[-1][1] += s.nbytes
             else:
                 ranges.append([s.offset, s.offset + s.nbytes])
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
-        head = struct.pack("<Q", len(text)) + text
+        head = header_block(json.dumps(header, separators=(",", ":")).encode(), 8)
         raw = part.slab.numpy()
         h = hasher(WRITTEN)
         h.update(head)
