@@ -1,23 +1,24 @@
-"""Fresh rank processes without the start-up cost: fork each from a warm process, the rank host.
+"""Fresh rank processes without the start-up cost: fork each from a warm process.
 
 In-process jobs need a fresh process per rank (rank_tasks.RankHost says why: DTensor, megatron-core
 and transformers keep process-global state; the built-in trainer keeps none, but a fork is cheaper
 than a warm Ray worker per concurrent rank), and so does a command's `python SCRIPT`
 (warm_python.py). A fresh process pays 5-10 s of CPU before the job's first line runs: Python and
 Ray, torch, `torch._dynamo` (imported by the first optimizer) and megatron-core or transformers.
-Here a warm host (a Ray actor, one per pool and node: rank_tasks.py) imports those once and forks
-one child per rank. The child starts with the modules loaded and no job state, as a fresh process
-that had imported them would; the host itself never runs a job, so it stays clean for the next fork.
+Here a warm process imports those once and forks one child per rank: the fork server of a rank host
+(fork_server.py; one host per pool and node, rank_tasks.py). The child starts with the modules
+loaded and no job state, as a fresh process that had imported them would; the server never runs a
+job, so it stays clean for the next fork.
 
-What the host imports before forking is fixed (`preloads`): torch for every job, and the entrypoint
-module itself only when it is ttrace's own adapter. A user's module is always imported in the child,
-so a long-lived host never runs a stale copy of code the user has edited since.
+What the server imports before forking is fixed (`preloads`): torch for every job, and the
+entrypoint module itself only when it is ttrace's own adapter. A user's module is always imported in
+the child, so a long-lived server never runs a stale copy of code the user has edited since.
 
-The child dies with the host (PR_SET_PDEATHSIG) and with the rank task that asked for it (`requester`:
-a thread of the child waits on that process), so stopping a job by removing its placement group
-(cluster.py), which kills the rank tasks, stops its forked ranks too. It reports its result or its
-exception through a pipe, as JSON; a child killed by a signal is a JobError naming the rank and the
-signal.
+The child dies with the server (PR_SET_PDEATHSIG) and with the rank task that asked for it
+(`requester`: a thread of the child waits on that process), so stopping a job by removing its
+placement group (cluster.py), which kills the rank tasks, stops its forked ranks too. It reports its
+result or its exception as a JSON line; a child killed by a signal is a JobError naming the rank,
+the signal and, for a crash, the Python stacks faulthandler left in its log.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import ctypes
+import faulthandler
 import importlib
 import json
 import os
@@ -34,9 +36,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from orchestrator.rank_logs import crash_lines, local_path
 from tracer.errors import ConfigError, JobError, TraceError
 from tracer.heap import gc_frozen
 
@@ -50,6 +53,11 @@ def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
     entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
     module = entrypoint.partition(":")[0]
     return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS
+
+
+def pool_preloads(pool: str) -> tuple[str, ...]:
+    """The preload set whose last module names `pool` (`host_key`)."""
+    return (*BASE_PRELOADS, pool) if pool.startswith(OWN_ADAPTERS) else BASE_PRELOADS
 
 
 def host_key(spec: dict[str, Any]) -> str:
@@ -77,40 +85,41 @@ def rank_title(spec: dict[str, Any], rank: Any) -> str:
     return f"ttrace {role} rank {rank}: {job.get('command') or job.get('entrypoint') or 'workloads.train'}"
 
 
-_FORK_LOCK = threading.Lock()   # a host forks for several ranks at once, from its threads: one at a time
-
-
-def run_forked(run: Callable[..., dict[str, Any]], spec: dict[str, Any], *args: Any,
-               requester: int | None = None, env: dict[str, str] | None = None,
-               **kwargs: Any) -> dict[str, Any]:
-    """`run(spec, *args, **kwargs)` in a child forked from this (warm) process, with `env` added to its
-    environment and killed when process `requester` ends; its result, or its exception raised here
-    again."""
-    for module in preloads(spec):
-        importlib.import_module(module)
-    # The child starts with the host's heap frozen: its GC passes neither scan it (CPU) nor write
+def spawn(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple, kwargs: dict, out: int,
+          requester: int | None, env: Mapping[str, str], close: Sequence[int] = ()) -> int:
+    """Fork this process into a rank running `run(spec, *args, **kwargs)`, with `env` added to its
+    environment, killed when process `requester` ends, and fds `close` closed; the rank writes one
+    line to fd `out`, "R" and its result or exception as JSON (read back by `outcome`). Its pid.
+    Only from a process without other threads (fork_server.py says why)."""
+    # The rank starts with this process's heap frozen: its GC passes neither scan it (CPU) nor write
     # its objects' GC headers (copy-on-write of the whole heap), and its run_rank finds it frozen.
-    # The host thaws after the fork (freezing and thawing move list heads, not objects). The pipe's
-    # write end is closed before the lock is released: another thread's child, forked later, must not
-    # hold it, or this rank's result would wait for that child's end.
-    with _FORK_LOCK, gc_frozen():
-        read_fd, write_fd = os.pipe()
+    # This process thaws after the fork (freezing and thawing move list heads, not objects).
+    with gc_frozen():
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:   # the child: never returns (os._exit), so it never thaws
-            os.close(read_fd)
-            _child(run, spec, args, kwargs, write_fd, requester, env or {})
-        os.close(write_fd)
-    with os.fdopen(read_fd, encoding="utf-8") as pipe:
-        payload = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    rank = args[0] if args else "?"
+            signal.set_wakeup_fd(-1)   # the server's, before its fds go
+            for fd in close:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _child(run, spec, args, kwargs, out, requester, env)
+    return pid
+
+
+def outcome(payload: str | None, status: int, spec: dict[str, Any], rank: Any,
+            node: str | None) -> dict[str, Any]:
+    """A forked rank's result from its "R" line (`payload`, None if it wrote none) and its
+    os.waitpid `status`; what it raised, raised here again; its death, a JobError."""
     if os.WIFSIGNALED(status):
         name = signal.Signals(os.WTERMSIG(status)).name
-        raise JobError(f"rank {rank}'s process died (killed by {name})")
+        log = local_path(spec, rank, node)
+        stacks = crash_lines(log) if name != "SIGKILL" else ""
+        where = f"; the stacks at the crash end its log {log}" if stacks else ""
+        raise JobError(f"rank {rank}'s process died (killed by {name}{where})") \
+            from (ChildTraceback(stacks) if stacks else None)
     try:
-        message = json.loads(payload)
+        message = json.loads(payload or "")
     except ValueError:
         raise JobError(f"rank {rank}'s process exited with code {os.WEXITSTATUS(status)} before "
                        "reporting a result (see its log)") from None
@@ -124,12 +133,15 @@ class ChildTraceback(Exception):
 
 
 def _child(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple, kwargs: dict,
-           write_fd: int, requester: int | None, env: dict[str, str]) -> None:
+           out: int, requester: int | None, env: Mapping[str, str]) -> None:
     code = 0
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    for sig in (signal.SIGTERM, signal.SIGINT):   # the Ray worker's handlers would act on Ray's state
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):   # the server's (or a Ray worker's)
         signal.signal(sig, signal.SIG_DFL)
+    # A crash (SIGSEGV, SIGABRT, ...) dumps every thread's Python stack to fd 2, which is the rank's
+    # log while its job runs (rank_logs.output_to); `outcome` quotes it.
+    faulthandler.enable(2, all_threads=True)
     if requester is not None:
         die_with(requester)
     os.environ.update(env)
@@ -141,13 +153,13 @@ def _child(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple
         message = {"error": {"module": type(e).__module__, "type": type(e).__qualname__, "message": str(e),
                              "traceback": traceback.format_exc()}}
     try:
-        payload = json.dumps(message, default=str)
-        with os.fdopen(write_fd, "w", encoding="utf-8") as pipe:
-            pipe.write(payload)
+        line = memoryview(f"R{json.dumps(message, default=str)}\n".encode())
+        while line:
+            line = line[os.write(out, line):]
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(code)   # no atexit handlers: they belong to the Ray worker
+        os._exit(code)   # no atexit handlers: they belong to the server (or a Ray worker)
 
 
 def die_with(pid: int) -> None:
@@ -184,19 +196,23 @@ def pid_alive(pid: int) -> bool:
 
 
 _KNOWN = {c.__name__: c for c in (ConfigError, JobError, TraceError)}
+OWN_PACKAGES = ("torch", "tracer", "workloads", "orchestrator")   # importable to rebuild an error
 
 
 def _rebuilt(error: dict[str, str]) -> BaseException:
     """The child's exception, as the same class where it can be rebuilt from its message (so the
     scheduler reports it exactly as an in-process rank's): ttrace's errors, builtins, and classes of
-    modules this host had imported before the fork (torch's, ttrace's trainer's: never a user's
-    module, which is imported in the child only). Else a RuntimeError naming the class."""
+    modules already imported here or of torch's and ttrace's packages (the built-in trainer's injected
+    fault), imported here if need be. A user's module is never imported here: a class of it is a
+    RuntimeError naming the class, as is one that does not give its message back."""
     name, module, message = error["type"], error["module"], error["message"]
     cls = _KNOWN.get(name) if module.startswith("tracer.") else None
     if cls is None and module == "builtins":
         cls = getattr(builtins, name, None)
-    if cls is None and module in sys.modules and "." not in name:
-        cls = getattr(sys.modules[module], name, None)
+    if cls is None and "." not in name and (module in sys.modules
+                                            or module.partition(".")[0] in OWN_PACKAGES):
+        with contextlib.suppress(Exception):
+            cls = getattr(importlib.import_module(module), name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
         with contextlib.suppress(Exception):
             rebuilt = cls(message)

@@ -61,17 +61,35 @@ class RankLog:
 @contextlib.contextmanager
 def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Iterator[RankLog]:
     """The rank's log file; `here` is this process's Ray node (asked of Ray when not given)."""
-    log = spec.get("log") or {}
-    name = f"rank{rank:05d}.log"
-    here = here or node_id()
-    if log.get("dir") and (not log.get("node") or log.get("node") == here):
-        rl = RankLog(Path(log["dir"]) / name, local=True)
+    path = local_path(spec, rank, here or node_id())
+    if path is not None:
+        rl = RankLog(path, local=True)
     else:
-        rl = RankLog(Path(tempfile.mkdtemp(prefix="ttrace-log-")) / name, local=False)
+        rl = RankLog(Path(tempfile.mkdtemp(prefix="ttrace-log-")) / f"rank{rank:05d}.log", local=False)
     try:
         yield rl
     finally:
         rl.file.close()
+
+
+def local_path(spec: Mapping[str, Any], rank: int, here: str | None) -> Path | None:
+    """The rank's log in the check directory when the rank runs on the driver's node (`here`: its
+    node); None when it goes to a temporary file instead."""
+    log = spec.get("log") or {}
+    if log.get("dir") and (not log.get("node") or log.get("node") == here):
+        return Path(log["dir"]) / f"rank{rank:05d}.log"
+    return None
+
+
+def crash_lines(path: Path | None, limit: int = 60) -> str:
+    """The end of a log from the last 'Fatal Python error' on (faulthandler's stacks of a rank killed
+    by a signal), else its last TAIL_LINES lines; '' when there is no such log."""
+    try:
+        lines = path.read_text(errors="replace").splitlines() if path is not None else []
+    except OSError:
+        return ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    return "\n".join(lines[starts[-1]:][:limit] if starts else lines[-TAIL_LINES:])
 
 
 def node_id() -> str | None:

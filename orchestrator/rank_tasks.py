@@ -2,12 +2,12 @@
 ranks needing a fresh process (scheduling: cluster.py).
 
 Every job's ranks, the built-in trainer's included, are fresh processes forked by the *rank host* of
-the job's pool on the rank's node (forked_rank.py): a Ray actor that imports torch (and ttrace's
-trainer or adapter) once and forks every rank of that pool, `python SCRIPT` commands
-(warm_python.py) and in-process entrypoints alike. Only a command that cannot start warm (another
-program) runs as a child of the rank's own worker. The rank's task holds the rank's place in the
-job's placement group and waits for its fork; stopping the job kills that task, and the fork dies
-with it.
+the job's pool on the rank's node (forked_rank.py): a Ray actor whose fork server (fork_server.py)
+imports torch (and ttrace's trainer or adapter) once and forks every rank of that pool,
+`python SCRIPT` commands (warm_python.py) and in-process entrypoints alike. Only a command that
+cannot start warm (another program) runs as a child of the rank's own worker. The rank's task holds
+the rank's place in the job's placement group and waits for its fork; stopping the job kills that
+task, and the fork dies with it.
 
 One host per pool and node, not one warm worker per concurrent rank: Ray starts a worker for every
 rank task it runs at once, and a check runs 1 + R + 1 jobs at once (plus an isolation pass). Each
@@ -98,21 +98,33 @@ _rank_hosted = ray.remote(max_retries=0)(_run_rank_hosted)
 
 
 class RankHost:
-    """A warm process that forks ranks (forked_rank.run_forked), one per pool and node. It never
-    runs a job itself: DTensor, megatron-core and transformers keep process-global state (a Ray
-    worker reused for rank 1 after hosting rank 0 of an earlier job silently took rank 0's chunk in
-    the backward of an all-gather: scripts/repro_dtensor_reused_process.py), and each fork starts
-    from the host's clean state. Its runtime_env names the pool (forked_rank.HOST_ENV), so an
-    adapter's imports and shims never reach another pool's ranks."""
+    """A warm process that forks ranks, one per pool and node. It never runs a job itself: DTensor,
+    megatron-core and transformers keep process-global state (a Ray worker reused for rank 1 after
+    hosting rank 0 of an earlier job silently took rank 0's chunk in the backward of an all-gather:
+    scripts/repro_dtensor_reused_process.py), and each fork starts from a clean state. Nor does it
+    fork: a Ray worker runs ~150 threads, so it starts a single-threaded fork server that does
+    (fork_server.py says why), again if that one died. Its runtime_env names the pool
+    (forked_rank.HOST_ENV), so an adapter's imports and shims never reach another pool's ranks."""
+
+    def __init__(self) -> None:
+        from orchestrator.forked_rank import HOST_ENV, pool_preloads
+
+        self.preload = pool_preloads(os.environ.get(HOST_ENV, "torch._dynamo"))
+        self.server = self._start()
+
+    def _start(self) -> Any:
+        from orchestrator.fork_server import ForkServer
+
+        return ForkServer(self.preload)
 
     def run(self, spec: dict[str, Any], rank: int, world_size: int, rdzv: tuple[str, int],
             local: tuple[int, int], requester: int, devices: dict[str, str]) -> dict[str, Any]:
-        from orchestrator.forked_rank import run_forked
-        from orchestrator.jobs import run_rank
         from orchestrator.rank_logs import node_id
 
-        return run_forked(run_rank, spec, rank, world_size, *rdzv, *local, node=node_id(),
-                          requester=requester, env=devices)
+        if not self.server.alive():   # restarted: the ranks it was forking failed, later ones fork anew
+            self.server = self._start()
+        return self.server.run("orchestrator.jobs:run_rank", spec, rank, world_size, *rdzv, *local,
+                               node=node_id(), requester=requester, env=devices)
 
 
 _RankHost = ray.remote(RankHost)

@@ -1,10 +1,10 @@
 """A command job's `python SCRIPT ...` rank started as a fork of a warm interpreter.
 
 A command rank is a child process of the process that runs its rank (its *parent*: a Ray worker, or
-a fork of the pool's rank host). Started as `python train.py`, it pays the
+a fork of the pool's fork server). Started as `python train.py`, it pays the
 interpreter, torch and `torch._dynamo` (imported by the first optimizer) before the script's first
 line: 3.5-4.5 s of CPU here, for every rank of every run of a check (1 + R + 1 runs). A fork of the
-torch-only pool's rank host (forked_rank.py: it imports those once and never runs a job itself) forks
+torch-only pool's fork server (fork_server.py: it imports those once and never runs a job itself) forks
 the rank's process instead, and the child runs the script the way `python` would:
 
 - `sys.argv`, `sys.path` (the script's directory, or the working directory for `-m`, then

@@ -500,8 +500,9 @@ def test_inside_our_own_freeze_no_pause_or_nested_freeze_walks_the_frozen_heap(m
 
 
 def test_a_fork_made_while_another_thread_holds_the_freeze_lock_can_still_pause_the_gc():
-    """A rank host forks from one thread while others run: a child that inherited the freeze lock held
-    would hang at its first GC pause's end. The lock is renewed in the child."""
+    """A process that forks from one thread while others run (a user's job may; ttrace's fork server
+    has no other thread): a child that inherited the freeze lock held would hang at its first GC
+    pause's end. The lock is renewed in the child."""
     import os
     import threading
     import time

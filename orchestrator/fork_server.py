@@ -1,0 +1,177 @@
+"""The fork server: the single-threaded process a rank host forks its ranks from.
+
+A rank host is a Ray actor (rank_tasks.RankHost), and a Ray worker runs ~150 threads: Ray's gRPC
+and event loops, pyarrow's jemalloc background threads, the actor's request threads. A fork copies
+only the forking thread, and the child inherits whatever locks and half-updated state the others
+held at that instant: POSIX allows such a child only async-signal-safe calls until it execs, and
+Python 3.12 warns at such forks. Forked straight from the actor, one built-in trainer rank died of
+SIGSEGV in one CI run of `make test` (2026-11-28; 14 reruns of that test here, 42 checks, did not
+reproduce it). So the host forks
+nothing itself: it starts this server, a plain Python process without threads that imports torch
+(and the pool's adapter) once and forks each rank from its main loop (forked_rank.spawn), as
+multiprocessing's forkserver does.
+
+Protocol, one Unix-socket connection per rank: the host sends one JSON line, {"run":
+"module:function", "spec", "args", "kwargs", "requester", "env"}; the rank writes one line, "R" and its
+result or exception as JSON (forked_rank.py); the server, once it has reaped the rank, writes
+"S<os.waitpid status>" and closes. A rank dies with the server (PR_SET_PDEATHSIG), and the server
+exits when its host does (a pidfd, polled where the kernel has none), killing the ranks it forked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from orchestrator.forked_rank import outcome, pid_alive, retitle, spawn
+from tracer.errors import JobError
+
+START_S = 120.0       # the server's imports (torch, an adapter) on a loaded node, before a first rank
+REQUEST_S = 30.0      # a host's request line, once connected
+
+
+def serve(path: str, host: int, preload: Sequence[str]) -> None:
+    """Listen at `path` for ranks to fork, with `preload` imported, until process `host` ends."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(128)   # hosts connect while the imports below run; their requests wait
+    for module in preload:
+        importlib.import_module(module)
+    retitle(f"ttrace fork server: {preload[-1] if preload else 'python'}")
+    woken_r, woken_w = os.pipe()
+    os.set_blocking(woken_w, False)
+    signal.set_wakeup_fd(woken_w)                       # SIGCHLD wakes the select below
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    try:
+        watch: Any = os.pidfd_open(host)
+    except (AttributeError, OSError):
+        watch = None
+    ranks: dict[int, socket.socket] = {}
+    try:
+        while watch is not None or pid_alive(host):
+            ready, _, _ = select.select([listener, woken_r, *([watch] if watch is not None else [])],
+                                        [], [], None if watch is not None else 1.0)
+            if watch in ready:
+                break
+            if woken_r in ready:
+                os.read(woken_r, 4096)
+            _reap(ranks)
+            if listener in ready:
+                _fork_one(listener, ranks, (listener.fileno(), woken_r, woken_w))
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _fork_one(listener: socket.socket, ranks: dict[int, socket.socket], own: tuple[int, ...]) -> None:
+    conn, _ = listener.accept()
+    conn.settimeout(REQUEST_S)
+    try:
+        with conn.makefile("rb") as f:
+            request = json.loads(f.readline())
+        conn.settimeout(None)   # the rank writes to it: blocking, as an inherited fd should be
+        module, _, name = str(request["run"]).partition(":")
+        run = getattr(importlib.import_module(module), name)
+        close = (*own, *(c.fileno() for c in ranks.values()))
+        pid = spawn(run, request["spec"], tuple(request["args"]), request["kwargs"], conn.fileno(),
+                    request.get("requester"), request.get("env") or {}, close)
+    except Exception as e:   # a malformed request fails that rank, never the server
+        with contextlib.suppress(OSError):
+            error = {"module": type(e).__module__, "type": type(e).__qualname__, "traceback": "",
+                     "message": f"the fork server could not start this rank: {e}"}
+            conn.sendall(f"R{json.dumps({'error': error})}\nS0\n".encode())
+        conn.close()
+        return
+    ranks[pid] = conn
+
+
+def _reap(ranks: dict[int, socket.socket]) -> None:
+    while ranks:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = ranks.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"S{status}\n".encode())
+            conn.close()
+
+
+class ForkServer:
+    """A rank host's side: starts the server (its imports begin at once) and asks it for ranks, from
+    any number of threads (a connection per rank)."""
+
+    def __init__(self, preload: Sequence[str], env: Mapping[str, str] | None = None):
+        self._dir = tempfile.mkdtemp(prefix="ttrace-forks-")
+        self.path = os.path.join(self._dir, "socket")
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.fork_server", self.path,
+                                      str(os.getpid()), *preload], stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **(env or {})})
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, target: str, spec: dict[str, Any], *args: Any, requester: int | None = None,
+            env: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """`target(spec, *args, **kwargs)` ("module:function") in a rank forked by the server, with
+        `env` added to its environment and killed when process `requester` ends: its result, or its
+        exception raised here again (forked_rank.outcome)."""
+        rank = args[0] if args else "?"
+        request = {"run": target, "spec": spec, "args": list(args), "kwargs": kwargs,
+                   "requester": requester, "env": env or {}}
+        with self._connect(rank) as conn:
+            conn.sendall((json.dumps(request) + "\n").encode())
+            payload, status = None, None
+            with conn.makefile("r", encoding="utf-8") as replies:
+                for line in replies:
+                    if line.startswith("R"):
+                        payload = line[1:]
+                    elif line.startswith("S"):
+                        status = int(line[1:])
+                        break
+        if status is None:
+            raise JobError(f"rank {rank}'s process was lost with its fork server (exit code "
+                           f"{self.proc.poll()}; its output is in the rank host's Ray worker log)")
+        return outcome(payload, status, spec, rank, kwargs.get("node"))
+
+    def _connect(self, rank: Any) -> socket.socket:
+        deadline = time.monotonic() + START_S
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.path)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+            if not self.alive() or time.monotonic() > deadline:
+                raise JobError(f"rank {rank} could not be forked: the fork server "
+                               + (f"exited with code {self.proc.poll()}" if not self.alive() else
+                                  f"did not listen within {START_S:.0f} s")
+                               + " (its output is in the rank host's Ray worker log)")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]))

@@ -1,0 +1,195 @@
+"""The fork server that rank hosts fork their ranks from (orchestrator/fork_server.py): a real server
+process, real forked ranks running orchestrator.jobs.run_rank on entrypoints written here. What a rank
+starts with, how it ends (result, exception, crash, its requester's end), and that the server and its
+ranks end with their host."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from orchestrator.fork_server import ForkServer
+from orchestrator.rank_tasks import worker_env
+from tracer.errors import JobError, TraceError
+
+PROBES = """
+import gc, os, sys, threading, time, ctypes
+from pathlib import Path
+
+def frozen():
+    return {"frozen": gc.get_freeze_count(), "threads": threading.active_count(), "pid": os.getpid(),
+            "torch": "torch" in sys.modules}
+
+def sleeps():
+    Path(os.environ["READY"]).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+    time.sleep(float(os.environ.get("SLEEP", "60")))
+    return {"slept": True}
+
+def idle():
+    time.sleep(60)
+
+def crashes():
+    threading.Thread(target=idle, name="bystander", daemon=True).start()
+    ctypes.string_at(0)
+
+def raises():
+    kind = os.environ["RAISE"]
+    if kind == "trace":
+        from tracer.errors import TraceError
+        raise TraceError("bad part")
+    if kind == "value":
+        raise ValueError("bad value")
+    if kind == "injected":
+        from workloads.faults import InjectedFault
+        raise InjectedFault("injected on rank 1")
+    raise UserError("from the user")
+
+class UserError(Exception):
+    pass
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("forks")
+    (work / "probes.py").write_text(PROBES)
+    fs = ForkServer(("torch",), env=worker_env())
+    yield fs, work
+    fs.close()
+
+
+def rank(server, entry, rank=0, env=None, requester=None, trace=False):
+    fs, work = server
+    spec = {"job": {"entrypoint": f"probes:{entry}", "workdir": str(work), "env": env or {}},
+            "log": {"dir": str(work / "logs" / entry)}, "trace": {"enabled": trace}}
+    return fs.run("orchestrator.jobs:run_rank", spec, rank, 1, "127.0.0.1", 1, node=None,
+                  requester=requester, env=env)
+
+
+def test_ranks_fork_from_a_server_without_threads_with_its_heap_frozen_and_run_side_by_side(server):
+    """The server has imported torch and holds no other thread when it forks; a rank's GC passes skip
+    the heap it shares with the server; two ranks run at once (each sleeps 1 s)."""
+    fs, work = server
+    out = rank(server, "frozen")
+    assert out["torch"] and out["frozen"] > 10000 and out["threads"] <= 2   # + the requester watch
+    assert len(os.listdir(f"/proc/{fs.proc.pid}/task")) == 1
+    results, t0 = [], time.monotonic()
+    both = [threading.Thread(target=lambda i=i: results.append(
+        rank(server, "sleeps", i, env={"READY": str(work / f"ready{i}"), "SLEEP": "1"}))) for i in (0, 1)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join()
+    assert len(results) == 2 and all(r["slept"] for r in results)
+    assert time.monotonic() - t0 < 1.9   # side by side, not one after the other
+
+
+def test_a_rank_dies_with_the_rank_task_that_asked_for_it(server, tmp_path):
+    """A host outlives the jobs it forks for: a rank must end when its rank task's process does
+    (stopping a job kills those), not with the host. The rank has the task's `env`."""
+    ready = tmp_path / "ready"
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def kill_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        task.kill()
+
+    threading.Thread(target=kill_when_ready, daemon=True).start()
+    t0 = time.monotonic()
+    env = {"READY": str(ready), "CUDA_VISIBLE_DEVICES": "3"}
+    with pytest.raises(JobError, match="killed by SIGKILL"):
+        rank(server, "sleeps", env=env, requester=task.pid)
+    assert time.monotonic() - t0 < 30 and ready.read_text() == "3"
+    task.wait()
+    ready.unlink()   # a task already gone: the rank ends at once
+    with pytest.raises(JobError, match="killed by SIGKILL"):
+        rank(server, "sleeps", env=env, requester=task.pid)
+
+
+def test_a_rank_that_crashes_is_named_with_the_stacks_its_log_holds(server):
+    """A rank killed by a signal sends no result: its error names the signal and quotes the Python
+    stacks faulthandler wrote to the rank's log at the crash (every thread's)."""
+    crash = r"killed by SIGSEGV; the stacks at the crash end its log .*rank00000"
+    with pytest.raises(JobError, match=crash) as e:
+        rank(server, "crashes")
+    stacks = str(e.value.__cause__)
+    line = {ln.strip(): i + 1 for i, ln in enumerate(PROBES.split("\n"))}
+    assert "Fatal Python error: Segmentation fault" in stacks
+    assert f'probes.py", line {line["ctypes.string_at(0)"]} in crashes' in stacks
+    assert f'probes.py", line {line["time.sleep(60)"]} in idle' in stacks   # the other thread's stack too
+
+
+@pytest.mark.parametrize("kind,cls,text", [
+    ("trace", TraceError, "bad part"), ("value", ValueError, "bad value"),
+    ("injected", None, "injected on rank 1"), ("user", RuntimeError, "probes.UserError: from the user")])
+def test_a_ranks_exception_is_raised_again_as_its_class_where_the_host_may_import_it(server, kind, cls, text):
+    """ttrace's errors, builtins and classes of torch's and ttrace's packages come back as themselves;
+    a user's module is never imported by the host: its class is a RuntimeError naming it."""
+    from workloads.faults import InjectedFault
+
+    cls = cls or InjectedFault
+    with pytest.raises(Exception) as got:
+        rank(server, "raises", env={"RAISE": kind})
+    assert type(got.value) is cls and str(got.value) == text
+
+
+def test_a_class_that_does_not_give_its_message_back_is_a_runtime_error_naming_it(monkeypatch):
+    import types
+
+    from orchestrator.forked_rank import _rebuilt
+
+    loaded = types.ModuleType("probe_errors")
+
+    class Prefixed(Exception):
+        def __init__(self, message):
+            super().__init__(f"probe: {message}")
+
+    Prefixed.__module__ = "probe_errors"
+    loaded.Prefixed = Prefixed
+    monkeypatch.setitem(sys.modules, "probe_errors", loaded)
+    got = _rebuilt({"module": "probe_errors", "type": "Prefixed", "message": "probe: x"})
+    assert type(got) is RuntimeError and str(got) == "probe_errors.Prefixed: probe: x"
+
+
+def test_the_server_and_its_ranks_end_with_their_host(tmp_path):
+    """A host (here a plain process) that dies while its rank runs takes the server and the rank with
+    it: nothing keeps running for a job nobody waits for."""
+    (tmp_path / "probes.py").write_text(PROBES)
+    ready = tmp_path / "ready"
+    host = textwrap.dedent(f"""
+        import sys
+        from orchestrator.fork_server import ForkServer
+        fs = ForkServer(("torch",))
+        print(fs.proc.pid, flush=True)
+        spec = {{"job": {{"entrypoint": "probes:sleeps", "workdir": {str(tmp_path)!r}}},
+                 "trace": {{"enabled": False}}}}
+        fs.run("orchestrator.jobs:run_rank", spec, 0, 1, "127.0.0.1", 1, node=None,
+               env={{"READY": {str(ready)!r}}})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **worker_env()})
+    server_pid = int(proc.stdout.readline())
+    deadline = time.monotonic() + 120
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    ranks = [int(p) for p in open(f"/proc/{server_pid}/task/{server_pid}/children").read().split()]
+    assert len(ranks) == 1
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while any(map(running, (server_pid, *ranks))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, (server_pid, *ranks)))
+
+
+def running(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has ended
+    except FileNotFoundError:
+        return False
