@@ -20,6 +20,7 @@ exits when its host does (a pidfd, polled where the kernel has none), killing th
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
 import json
@@ -35,11 +36,32 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.forked_rank import outcome, pid_alive, retitle, spawn
-from tracer.errors import JobError
+from orchestrator.rank_logs import crash_lines, local_path
 
 START_S = 120.0       # the server's imports (torch, an adapter) on a loaded node, before a first rank
 REQUEST_S = 30.0      # a host's request line, once connected
+OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
+BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
+HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one pool per preload set
+
+
+def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
+    """Modules a rank host imports before forking this job's ranks."""
+    entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
+    module = entrypoint.partition(":")[0]
+    return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS
+
+
+def pool_preloads(pool: str) -> tuple[str, ...]:
+    """The preload set whose last module names `pool` (`host_key`)."""
+    return (*BASE_PRELOADS, pool) if pool.startswith(OWN_ADAPTERS) else BASE_PRELOADS
+
+
+def host_key(spec: dict[str, Any]) -> str:
+    """Names the pool whose rank host forks a job's ranks: the last module of its preload set.
+    Ray keeps workers apart by runtime_env, so an adapter's imports (and the shims some apply at
+    import, as megatron-core's does) never reach another job's ranks."""
+    return preloads(spec)[-1]
 
 
 def serve(path: str, host: int, preload: Sequence[str]) -> None:
@@ -49,6 +71,8 @@ def serve(path: str, host: int, preload: Sequence[str]) -> None:
     listener.listen(128)   # hosts connect while the imports below run; their requests wait
     for module in preload:
         importlib.import_module(module)
+    from orchestrator.forked_rank import pid_alive, retitle  # tracer, numba: after listening too
+
     retitle(f"ttrace fork server: {preload[-1] if preload else 'python'}")
     woken_r, woken_w = os.pipe()
     os.set_blocking(woken_w, False)
@@ -77,6 +101,8 @@ def serve(path: str, host: int, preload: Sequence[str]) -> None:
 
 
 def _fork_one(listener: socket.socket, ranks: dict[int, socket.socket], own: tuple[int, ...]) -> None:
+    from orchestrator.forked_rank import spawn
+
     conn, _ = listener.accept()
     conn.settimeout(REQUEST_S)
     try:
@@ -131,7 +157,7 @@ class ForkServer:
             env: dict[str, str] | None = None, **kwargs: Any) -> dict[str, Any]:
         """`target(spec, *args, **kwargs)` ("module:function") in a rank forked by the server, with
         `env` added to its environment and killed when process `requester` ends: its result, or its
-        exception raised here again (forked_rank.outcome)."""
+        exception raised here again (`outcome`)."""
         rank = args[0] if args else "?"
         request = {"run": target, "spec": spec, "args": list(args), "kwargs": kwargs,
                    "requester": requester, "env": env or {}}
@@ -146,8 +172,8 @@ class ForkServer:
                         status = int(line[1:])
                         break
         if status is None:
-            raise JobError(f"rank {rank}'s process was lost with its fork server (exit code "
-                           f"{self.proc.poll()}; its output is in the rank host's Ray worker log)")
+            raise _job_error(f"rank {rank}'s process was lost with its fork server (exit code "
+                             f"{self.proc.poll()}; its output is in the rank host's Ray worker log)")
         return outcome(payload, status, spec, rank, kwargs.get("node"))
 
     def _connect(self, rank: Any) -> socket.socket:
@@ -160,7 +186,7 @@ class ForkServer:
             except (FileNotFoundError, ConnectionRefusedError):
                 conn.close()
             if not self.alive() or time.monotonic() > deadline:
-                raise JobError(f"rank {rank} could not be forked: the fork server "
+                raise _job_error(f"rank {rank} could not be forked: the fork server "
                                + (f"exited with code {self.proc.poll()}" if not self.alive() else
                                   f"did not listen within {START_S:.0f} s")
                                + " (its output is in the rank host's Ray worker log)")
@@ -171,6 +197,62 @@ class ForkServer:
             self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def outcome(payload: str | None, status: int, spec: dict[str, Any], rank: Any,
+            node: str | None) -> dict[str, Any]:
+    """A forked rank's result from its "R" line (`payload`, None if it wrote none) and its
+    os.waitpid `status`; what it raised, raised here again; its death, a JobError."""
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name
+        log = local_path(spec, rank, node)
+        stacks = crash_lines(log) if name != "SIGKILL" else ""
+        where = f"; the stacks at the crash end its log {log}" if stacks else ""
+        raise _job_error(f"rank {rank}'s process died (killed by {name}{where})") \
+            from (ChildTraceback(stacks) if stacks else None)
+    try:
+        message = json.loads(payload or "")
+    except ValueError:
+        raise _job_error(f"rank {rank}'s process exited with code {os.WEXITSTATUS(status)} before "
+                         "reporting a result (see its log)") from None
+    if "error" in message:
+        raise _rebuilt(message["error"]) from ChildTraceback(message["error"]["traceback"])
+    return message["result"]
+
+
+class ChildTraceback(Exception):
+    """Where the forked rank raised (the scheduler saves the whole chain in the rank's error file)."""
+
+
+def _job_error(message: str) -> Exception:
+    """tracer.errors.JobError, imported only when a rank failed: the tracer package imports torch,
+    which a host (and the rank task waiting on it) otherwise never needs."""
+    from tracer.errors import JobError
+
+    return JobError(message)
+
+
+OWN_PACKAGES = ("torch", "tracer", "workloads", "orchestrator")   # importable to rebuild an error
+
+
+def _rebuilt(error: dict[str, str]) -> BaseException:
+    """The child's exception, as the same class where it can be rebuilt from its message (so the
+    scheduler reports it exactly as an in-process rank's): builtins, and classes of modules already
+    imported here or of torch's and ttrace's packages (ttrace's errors, the built-in trainer's injected
+    fault), imported here if need be. A user's module is never imported here: a class of it is a
+    RuntimeError naming the class, as is one that does not give its message back."""
+    name, module, message = error["type"], error["module"], error["message"]
+    cls = getattr(builtins, name, None) if module == "builtins" else None
+    if cls is None and "." not in name and (module in sys.modules
+                                            or module.partition(".")[0] in OWN_PACKAGES):
+        with contextlib.suppress(Exception):
+            cls = getattr(importlib.import_module(module), name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        with contextlib.suppress(Exception):
+            rebuilt = cls(message)
+            if str(rebuilt) == message:
+                return rebuilt
+    return RuntimeError(f"{module}.{name}: {message}")
 
 
 if __name__ == "__main__":

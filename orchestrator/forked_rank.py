@@ -10,7 +10,7 @@ Here a warm process imports those once and forks one child per rank: the fork se
 loaded and no job state, as a fresh process that had imported them would; the server never runs a
 job, so it stays clean for the next fork.
 
-What the server imports before forking is fixed (`preloads`): torch for every job, and the
+What the server imports before forking is fixed (fork_server.preloads): torch for every job, and the
 entrypoint module itself only when it is ttrace's own adapter. A user's module is always imported in
 the child, so a long-lived server never runs a stale copy of code the user has edited since.
 
@@ -23,11 +23,9 @@ the signal and, for a crash, the Python stacks faulthandler left in its log.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import ctypes
 import faulthandler
-import importlib
 import json
 import os
 import select
@@ -39,32 +37,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from orchestrator.rank_logs import crash_lines, local_path
-from tracer.errors import ConfigError, JobError, TraceError
 from tracer.heap import gc_frozen
-
-OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
-BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
-HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one pool per preload set
-
-
-def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
-    """Modules a rank host imports before forking this job's ranks."""
-    entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
-    module = entrypoint.partition(":")[0]
-    return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS
-
-
-def pool_preloads(pool: str) -> tuple[str, ...]:
-    """The preload set whose last module names `pool` (`host_key`)."""
-    return (*BASE_PRELOADS, pool) if pool.startswith(OWN_ADAPTERS) else BASE_PRELOADS
-
-
-def host_key(spec: dict[str, Any]) -> str:
-    """Names the pool whose rank host forks a job's ranks: the last module of its preload set.
-    Ray keeps workers apart by runtime_env, so an adapter's imports (and the shims some apply at
-    import, as megatron-core's does) never reach another job's ranks."""
-    return preloads(spec)[-1]
 
 
 def retitle(title: str) -> None:
@@ -105,31 +78,6 @@ def spawn(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple,
                     os.close(fd)
             _child(run, spec, args, kwargs, out, requester, env)
     return pid
-
-
-def outcome(payload: str | None, status: int, spec: dict[str, Any], rank: Any,
-            node: str | None) -> dict[str, Any]:
-    """A forked rank's result from its "R" line (`payload`, None if it wrote none) and its
-    os.waitpid `status`; what it raised, raised here again; its death, a JobError."""
-    if os.WIFSIGNALED(status):
-        name = signal.Signals(os.WTERMSIG(status)).name
-        log = local_path(spec, rank, node)
-        stacks = crash_lines(log) if name != "SIGKILL" else ""
-        where = f"; the stacks at the crash end its log {log}" if stacks else ""
-        raise JobError(f"rank {rank}'s process died (killed by {name}{where})") \
-            from (ChildTraceback(stacks) if stacks else None)
-    try:
-        message = json.loads(payload or "")
-    except ValueError:
-        raise JobError(f"rank {rank}'s process exited with code {os.WEXITSTATUS(status)} before "
-                       "reporting a result (see its log)") from None
-    if "error" in message:
-        raise _rebuilt(message["error"]) from ChildTraceback(message["error"]["traceback"])
-    return message["result"]
-
-
-class ChildTraceback(Exception):
-    """Where the forked rank raised (the scheduler saves the whole chain in the rank's error file)."""
 
 
 def _child(run: Callable[..., dict[str, Any]], spec: dict[str, Any], args: tuple, kwargs: dict,
@@ -193,29 +141,3 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:   # another user's process: it exists
         pass
     return True
-
-
-_KNOWN = {c.__name__: c for c in (ConfigError, JobError, TraceError)}
-OWN_PACKAGES = ("torch", "tracer", "workloads", "orchestrator")   # importable to rebuild an error
-
-
-def _rebuilt(error: dict[str, str]) -> BaseException:
-    """The child's exception, as the same class where it can be rebuilt from its message (so the
-    scheduler reports it exactly as an in-process rank's): ttrace's errors, builtins, and classes of
-    modules already imported here or of torch's and ttrace's packages (the built-in trainer's injected
-    fault), imported here if need be. A user's module is never imported here: a class of it is a
-    RuntimeError naming the class, as is one that does not give its message back."""
-    name, module, message = error["type"], error["module"], error["message"]
-    cls = _KNOWN.get(name) if module.startswith("tracer.") else None
-    if cls is None and module == "builtins":
-        cls = getattr(builtins, name, None)
-    if cls is None and "." not in name and (module in sys.modules
-                                            or module.partition(".")[0] in OWN_PACKAGES):
-        with contextlib.suppress(Exception):
-            cls = getattr(importlib.import_module(module), name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        with contextlib.suppress(Exception):
-            rebuilt = cls(message)
-            if str(rebuilt) == message:
-                return rebuilt
-    return RuntimeError(f"{module}.{name}: {message}")

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from orchestrator import warm_python
-from orchestrator.forked_rank import HOST_ENV
+from orchestrator.fork_server import HOST_ENV
 from orchestrator.rank_logs import RankLog, output_to, pump, rank_log
 from tracer.errors import ConfigError, JobError
 from tracer.heap import gc_frozen

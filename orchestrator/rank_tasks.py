@@ -83,7 +83,7 @@ def _run_rank_hosted(spec: dict[str, Any], rank: int, world_size: int, rdzv: tup
     try:
         return ray.get(host.run.remote(spec, rank, world_size, rdzv, local, os.getpid(), devices))
     except ray.exceptions.RayTaskError as e:   # what the rank raised, as an in-worker rank's would read
-        from orchestrator.forked_rank import ChildTraceback
+        from orchestrator.fork_server import ChildTraceback
 
         raise e.cause from ChildTraceback(str(e))
     except ray.exceptions.RayActorError as e:
@@ -104,10 +104,10 @@ class RankHost:
     scripts/repro_dtensor_reused_process.py), and each fork starts from a clean state. Nor does it
     fork: a Ray worker runs ~150 threads, so it starts a single-threaded fork server that does
     (fork_server.py says why), again if that one died. Its runtime_env names the pool
-    (forked_rank.HOST_ENV), so an adapter's imports and shims never reach another pool's ranks."""
+    (fork_server.HOST_ENV), so an adapter's imports and shims never reach another pool's ranks."""
 
     def __init__(self) -> None:
-        from orchestrator.forked_rank import HOST_ENV, pool_preloads
+        from orchestrator.fork_server import HOST_ENV, pool_preloads
 
         self.preload = pool_preloads(os.environ.get(HOST_ENV, "torch._dynamo"))
         self.server = self._start()
@@ -134,7 +134,7 @@ _HOSTS: dict[tuple[str, str, str], Any] = {}   # (Ray job, pool, node) -> this d
 def rank_host(pool: str, node: str) -> Any:
     """This driver's rank host for `pool` on `node`, started on first use. It lives as long as the
     driver's Ray job (restarted if it dies: the ranks it was forking fail, later ones fork anew)."""
-    from orchestrator.forked_rank import HOST_ENV
+    from orchestrator.fork_server import HOST_ENV
 
     key = (ray.get_runtime_context().get_job_id(), pool, node)
     if key not in _HOSTS:
@@ -150,8 +150,8 @@ def rank_task(spec: dict[str, Any]) -> tuple[Any, str | None]:
     runs in its worker). A command that cannot start warm (another program, an interpreter flag,
     job.warm_start=false) runs as its worker's child. A warm `python SCRIPT` forks from the
     torch-only pool (warm_python.py), an in-process entrypoint, the built-in trainer's included, from
-    its own (forked_rank.preloads)."""
-    from orchestrator.forked_rank import host_key
+    its own (fork_server.preloads)."""
+    from orchestrator.fork_server import host_key
     from orchestrator.jobs import command_argv
     from orchestrator.warm_python import warm_start
 

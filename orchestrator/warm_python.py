@@ -40,7 +40,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from orchestrator.forked_rank import BASE_PRELOADS, retitle
+from orchestrator.fork_server import BASE_PRELOADS
+from orchestrator.forked_rank import retitle
 from tracer.heap import gc_frozen
 
 PYTHONS = ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}")

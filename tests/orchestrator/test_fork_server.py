@@ -141,7 +141,7 @@ def test_a_ranks_exception_is_raised_again_as_its_class_where_the_host_may_impor
 def test_a_class_that_does_not_give_its_message_back_is_a_runtime_error_naming_it(monkeypatch):
     import types
 
-    from orchestrator.forked_rank import _rebuilt
+    from orchestrator.fork_server import _rebuilt
 
     loaded = types.ModuleType("probe_errors")
 
@@ -193,3 +193,25 @@ def running(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_a_host_reports_a_failed_rank_without_importing_torch():
+    """A rank host never needs torch, and must not import it to report a rank that died: that import
+    (2-3 s on a loaded node) outlasted the scheduler's grace period, and the rank that caused the
+    failure was reported as 'still running' beside its peer's collective error."""
+    script = """
+import sys
+from orchestrator.fork_server import outcome
+from tracer.errors import JobError
+try:
+    outcome(None, 17 << 8, {}, 1, None)
+except JobError as e:
+    print(e)
+import tracer
+print("torch" in sys.modules, sorted(tracer.__all__) == sorted(n for n in tracer.__all__ if getattr(tracer, n)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **worker_env()})
+    assert out.stdout.splitlines() == [
+        "rank 1's process exited with code 17 before reporting a result (see its log)", "False True"], \
+        out.stdout + out.stderr

@@ -71,7 +71,7 @@ def test_which_ranks_run_in_the_worker_and_which_are_forked_by_a_host_of_their_p
     torch-only host (its module is never imported before the fork, so a long-lived host cannot run a
     stale copy)."""
     from orchestrator import rank_tasks
-    from orchestrator.forked_rank import preloads
+    from orchestrator.fork_server import preloads
     from orchestrator.recipe import compose, job_of
 
     builtin = {"job": job_of(compose([]))}
