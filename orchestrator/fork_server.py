@@ -46,7 +46,7 @@ HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one 
 
 
 def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
-    """Modules a rank host imports before forking this job's ranks."""
+    """Modules the fork server of this job's pool imports before forking its ranks."""
     entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
     module = entrypoint.partition(":")[0]
     return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS

@@ -208,10 +208,11 @@ try:
 except JobError as e:
     print(e)
 import tracer
-print("torch" in sys.modules, sorted(tracer.__all__) == sorted(n for n in tracer.__all__ if getattr(tracer, n)))
+light = "torch" not in sys.modules
+print(light, all(getattr(tracer, n) is not None for n in tracer.__all__))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, **worker_env()})
     assert out.stdout.splitlines() == [
-        "rank 1's process exited with code 17 before reporting a result (see its log)", "False True"], \
+        "rank 1's process exited with code 17 before reporting a result (see its log)", "True True"], \
         out.stdout + out.stderr
