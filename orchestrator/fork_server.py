@@ -40,6 +40,10 @@ from orchestrator.rank_logs import crash_lines, local_path
 
 START_S = 120.0       # the server's imports (torch, an adapter) on a loaded node, before a first rank
 REQUEST_S = 30.0      # a host's request line, once connected
+# The server's command: the working directory leaves sys.path first (`python -m` and `-c` put it
+# there), so a directory of the user's that holds a package named like ours cannot stand in for it.
+_MAIN = ("import sys; del sys.path[0]; from orchestrator.fork_server import serve; "
+         "serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]))")
 OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
 BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
 HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one pool per preload set
@@ -146,9 +150,8 @@ class ForkServer:
     def __init__(self, preload: Sequence[str], env: Mapping[str, str] | None = None):
         self._dir = tempfile.mkdtemp(prefix="ttrace-forks-")
         self.path = os.path.join(self._dir, "socket")
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.fork_server", self.path,
-                                      str(os.getpid()), *preload], stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen([sys.executable, "-c", _MAIN, self.path, str(os.getpid()), *preload],
+                                     stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -253,7 +256,3 @@ def _rebuilt(error: dict[str, str]) -> BaseException:
             if str(rebuilt) == message:
                 return rebuilt
     return RuntimeError(f"{module}.{name}: {message}")
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]), tuple(sys.argv[3:]))

@@ -88,6 +88,20 @@ def test_ranks_fork_from_a_server_without_threads_with_its_heap_frozen_and_run_s
     assert time.monotonic() - t0 < 1.9   # side by side, not one after the other
 
 
+def test_a_server_started_beside_a_package_named_like_ours_still_runs_ours(tmp_path, monkeypatch):
+    """A host's working directory may be a user's project: its own `orchestrator` package must not
+    stand in for ttrace's when the server starts."""
+    (tmp_path / "orchestrator").mkdir()
+    (tmp_path / "orchestrator" / "__init__.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "probes.py").write_text(PROBES)
+    monkeypatch.chdir(tmp_path)
+    fs = ForkServer(("torch",), env=worker_env())
+    try:
+        assert rank((fs, tmp_path), "frozen")["torch"]
+    finally:
+        fs.close()
+
+
 def test_a_rank_dies_with_the_rank_task_that_asked_for_it(server, tmp_path):
     """A host outlives the jobs it forks for: a rank must end when its rank task's process does
     (stopping a job kills those), not with the host. The rank has the task's `env`."""
