@@ -25,10 +25,12 @@ import contextlib
 import importlib
 import json
 import os
+import secrets
 import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -69,9 +71,10 @@ def host_key(spec: dict[str, Any]) -> str:
 
 
 def serve(path: str, host: int, preload: Sequence[str]) -> None:
-    """Listen at `path` for ranks to fork, with `preload` imported, until process `host` ends."""
+    """Listen at `path` (`address`) for ranks to fork, with `preload` imported, until process `host`
+    ends."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(address(path))
     listener.listen(128)   # hosts connect while the imports below run; their requests wait
     for module in preload:
         importlib.import_module(module)
@@ -102,12 +105,19 @@ def serve(path: str, host: int, preload: Sequence[str]) -> None:
         for pid in ranks:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        if not path.startswith("@"):
+            with contextlib.suppress(OSError):   # its ForkServer's directory, if nothing else is in it
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
 
 
 def _fork_one(listener: socket.socket, ranks: dict[int, socket.socket], own: tuple[int, ...]) -> None:
     from orchestrator.forked_rank import spawn
 
     conn, _ = listener.accept()
+    if not _same_user(conn):   # an abstract socket has no file permissions: only our user's processes
+        conn.close()
+        return
     conn.settimeout(REQUEST_S)
     try:
         with conn.makefile("rb") as f:
@@ -126,6 +136,18 @@ def _fork_one(listener: socket.socket, ranks: dict[int, socket.socket], own: tup
         conn.close()
         return
     ranks[pid] = conn
+
+
+def address(path: str) -> str:
+    """A Unix socket's address: "@name" is Linux's abstract namespace (no file)."""
+    return "\0" + path[1:] if path.startswith("@") else path
+
+
+def _same_user(conn: socket.socket) -> bool:
+    if not hasattr(socket, "SO_PEERCRED"):   # not Linux: the socket's directory is private (0700)
+        return True
+    cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", cred)[1] == os.getuid()
 
 
 def _reap(ranks: dict[int, socket.socket]) -> None:
@@ -148,8 +170,12 @@ class ForkServer:
     any number of threads (a connection per rank)."""
 
     def __init__(self, preload: Sequence[str], env: Mapping[str, str] | None = None):
-        self._dir = tempfile.mkdtemp(prefix="ttrace-forks-")
-        self.path = os.path.join(self._dir, "socket")
+        # Linux: an abstract socket, gone with the server however it ends (Ray kills a dead actor's
+        # children with SIGKILL; a socket file in a directory of its own was left behind by each host
+        # of each driver: 104 of them after a day's tests here). Elsewhere a file in a private directory.
+        self._dir = None if sys.platform.startswith("linux") else tempfile.mkdtemp(prefix="ttrace-forks-")
+        self.path = (os.path.join(self._dir, "socket") if self._dir else
+                     f"@ttrace-forks-{os.getpid()}-{secrets.token_hex(8)}")
         self.proc = subprocess.Popen([sys.executable, "-c", _MAIN, self.path, str(os.getpid()), *preload],
                                      stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
 
@@ -184,7 +210,7 @@ class ForkServer:
         while True:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                conn.connect(self.path)
+                conn.connect(address(self.path))
                 return conn
             except (FileNotFoundError, ConnectionRefusedError):
                 conn.close()
@@ -199,7 +225,8 @@ class ForkServer:
         if self.alive():
             self.proc.kill()
         self.proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def outcome(payload: str | None, status: int, spec: dict[str, Any], rank: Any,

@@ -41,10 +41,10 @@ from tracer.heap import gc_frozen
 
 
 def retitle(title: str) -> None:
-    """Name a forked rank's process after what it runs: a fork keeps its worker's title
-    (`ray::RankHost.run`), so `ps`, `pgrep -f` and `py-spy dump` would not find the rank under
-    its own command. Ray's own setproctitle: it owns a worker's argv area (the setproctitle package
-    cannot rewrite it there)."""
+    """Name a process after what it runs: a fork keeps its parent's title (`ttrace fork server: ...`),
+    so `ps`, `pgrep -f` and `py-spy dump` would not find the rank under its own command. Ray's own
+    setproctitle: the setproctitle package is not a dependency (nor can it rewrite a Ray worker's
+    argv area)."""
     with contextlib.suppress(Exception):   # cosmetic: never fails a rank
         from ray._raylet import setproctitle
 

@@ -102,6 +102,32 @@ def test_a_server_started_beside_a_package_named_like_ours_still_runs_ours(tmp_p
         fs.close()
 
 
+def test_only_processes_of_the_servers_own_user_may_ask_it_for_a_rank(server, tmp_path):
+    """An abstract Unix socket has no file permissions: the server checks its peer's uid, so another
+    user on the node cannot have code run as ours. (Switching user needs root, as CI runs.)"""
+    from orchestrator.fork_server import address
+
+    fs, work = server
+    ask = f"""
+import os, socket, json
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX)
+s.connect({address(fs.path)!r})
+request = {{"run": "orchestrator.jobs:run_rank", "spec": {{}}, "args": [0], "kwargs": {{}}}}
+s.sendall((json.dumps(request) + "\\n").encode())
+try:
+    print("answered" if s.recv(100) else "closed")
+except ConnectionResetError:   # closed with our request unread
+    print("closed")
+"""
+    if os.getuid() != 0:
+        pytest.skip("switching to another user needs root")
+    assert rank(server, "frozen")["torch"]   # listening
+    out = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "closed", out.stdout + out.stderr
+    assert rank(server, "frozen")["torch"]   # and the server still serves its own user
+
+
 def test_a_rank_dies_with_the_rank_task_that_asked_for_it(server, tmp_path):
     """A host outlives the jobs it forks for: a rank must end when its rank task's process does
     (stopping a job kills those), not with the host. The rank has the task's `env`."""
@@ -172,14 +198,15 @@ def test_a_class_that_does_not_give_its_message_back_is_a_runtime_error_naming_i
 
 def test_the_server_and_its_ranks_end_with_their_host(tmp_path):
     """A host (here a plain process) that dies while its rank runs takes the server and the rank with
-    it: nothing keeps running for a job nobody waits for."""
+    it: nothing keeps running for a job nobody waits for, and nothing is left on disk (Ray kills a dead
+    actor's children with SIGKILL: a socket file would have stayed)."""
     (tmp_path / "probes.py").write_text(PROBES)
     ready = tmp_path / "ready"
     host = textwrap.dedent(f"""
         import sys
         from orchestrator.fork_server import ForkServer
         fs = ForkServer(("torch",))
-        print(fs.proc.pid, flush=True)
+        print(fs.proc.pid, fs.path, flush=True)
         spec = {{"job": {{"entrypoint": "probes:sleeps", "workdir": {str(tmp_path)!r}}},
                  "trace": {{"enabled": False}}}}
         fs.run("orchestrator.jobs:run_rank", spec, 0, 1, "127.0.0.1", 1, node=None,
@@ -187,7 +214,8 @@ def test_the_server_and_its_ranks_end_with_their_host(tmp_path):
     """)
     proc = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, **worker_env()})
-    server_pid = int(proc.stdout.readline())
+    server_pid, socket_path = proc.stdout.readline().split()
+    server_pid = int(server_pid)
     deadline = time.monotonic() + 120
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -200,6 +228,9 @@ def test_the_server_and_its_ranks_end_with_their_host(tmp_path):
     while any(map(running, (server_pid, *ranks))) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(running, (server_pid, *ranks)))
+    # Its socket is abstract (Linux): nothing on disk to leave behind, and gone from the kernel's table.
+    assert socket_path.startswith("@ttrace-forks-") and not any(
+        ln.endswith(socket_path) for ln in open("/proc/net/unix").read().splitlines())
 
 
 def running(pid):
