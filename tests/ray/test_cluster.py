@@ -113,7 +113,9 @@ def main():
         time.sleep(600)
     return {"pid": os.getpid(), "parent": os.getppid(), "calls": len(CALLS),
             "torch_at_import": TORCH_AT_IMPORT, "ended": time.time(), "rank": os.environ["RANK"],
-            "title": open("/proc/self/cmdline").read().replace(chr(0), " ").strip()}
+            "title": open("/proc/self/cmdline").read().replace(chr(0), " ").strip(),
+            "parent_title": open(f"/proc/{os.getppid()}/cmdline").read().replace(chr(0), " ").strip(),
+            "parent_threads": len(os.listdir(f"/proc/{os.getppid()}/task"))}
 """
 
 
@@ -152,6 +154,10 @@ def test_entrypoint_ranks_are_fresh_processes_forked_by_one_warm_host(ray_cluste
     # One warm host per pool and node forks every rank of every job (not a worker per concurrent
     # rank, each importing torch), and each rank's task is another process, whose end it dies with.
     assert len({r["parent"] for r in ranks + waits.results}) == 1, ranks
+    # ... through its fork server, a process with no other thread: never from the Ray actor itself,
+    # whose ~150 threads leave a fork their locks held (orchestrator/fork_server.py).
+    assert all(r["parent_title"] == "ttrace fork server: torch._dynamo" and r["parent_threads"] == 1
+               for r in ranks), ranks
     assert dies.error and "rank 1's process died (killed by SIGKILL)" in dies.error, dies.error
     assert raises.error and "rank 0 raised ZeroDivisionError: probe" in raises.error, raises.error
 
