@@ -114,10 +114,10 @@ os.setuid(65534)
 s = socket.socket(socket.AF_UNIX)
 s.connect({address(fs.path)!r})
 request = {{"run": "orchestrator.jobs:run_rank", "spec": {{}}, "args": [0], "kwargs": {{}}}}
-s.sendall((json.dumps(request) + "\\n").encode())
 try:
+    s.sendall((json.dumps(request) + "\\n").encode())
     print("answered" if s.recv(100) else "closed")
-except ConnectionResetError:   # closed with our request unread
+except (BrokenPipeError, ConnectionResetError):   # closed before, or with, our request unread
     print("closed")
 """
     if os.getuid() != 0:
