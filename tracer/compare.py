@@ -6,24 +6,20 @@ and `compare`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tracer.compare_inputs import ShapeCheckedReads, tensor_keys
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
+from tracer.judge import judge
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import measure
 from tracer.reference_side import ReferenceSide
 from tracer.stats_compare import compare_stats
 from tracer.tolerance import TolerancePolicy
-from tracer.verdicts import Comparison, TensorResult
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else float("inf")
+from tracer.verdicts import Comparison
 
 
 def rounding_draws(perturbed: Sequence[LogicalTrace]) -> bool:
@@ -83,26 +79,6 @@ class _Subset(Mapping[str, Assembled]):
 
     def __len__(self) -> int:
         return len(self._names)
-
-
-BANDED_STEPS = 2   # the traced steps the scale band judges (see _compare)
-
-# Excused elements per excused element that may lie beyond their perturbed envelope where the
-# perturbed runs among themselves show none (see beyond_limit).
-BEYOND_RATE = 1 / 2048
-
-
-def beyond_limit(excused: int, beyond_noise: int, k: float) -> float:
-    """How many excused elements of a param may lie beyond k_elem x their perturbed envelope:
-    k x (the most a perturbed run has beyond the others', + 1, + BEYOND_RATE x the excused count).
-    The rate term is for trained optimizer state: from loaded Adam moments an element whose gradient
-    is within noise still moves by its momentum, and its deviation is its gradient deviation times
-    Adam's gain. An honest layout's gradient deviation (accepted up to k_elem noise scales, which
-    include a tensor-wide floor) exceeds k_elem x the envelope of 3 perturbed runs on up to ~1 in
-    700 excused elements where the runs among themselves show none (6 of 4,185, against 0). Update
-    signs flipped on 10% of a weight's excused elements put 0.3% (bf16: most flips are below one
-    ulp) to 10% of them beyond (docs/tolerance.md "From trained weights")."""
-    return k * (beyond_noise + 1 + BEYOND_RATE * excused)
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
@@ -175,120 +151,6 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
             raise TraceError(f"{name}: a perturbed reference run has non-finite values where the reference "
                              "has none; the recipe is unstable under a one-ulp weight change, so no "
                              "tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
-
-    # Noise is pooled over the microbatches of a step: the same module and kind computed on
-    # exchangeable data, so R perturbed runs give R * microbatches draws of the same noise process
-    # (quantization noise is heavy-tailed: a few draws can land unluckily small).
-    # A parameter's param_grad and param are their own family (a module's weight and its zero bias
-    # have nothing in common); a module's outputs pool over the step's microbatches.
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    family = lambda n: (reference.info[n]["step"], path(n), reference.info[n]["kind"])
-    pooled: dict[tuple, tuple[float, ...]] = {}
-    families = [family(name) for name in reference.order]
-    for name, fam in zip(reference.order, families, strict=True):
-        st, f = stats[name], pooled.get(fam, (0.0,) * 5)
-        pooled[fam] = tuple(map(max, f, (st.noise, st.elem_noise, st.rowcol_noise, st.own_noise,
-                                         st.scale_spread)))
-    draws = rounding_draws(perturbed)
-    # The scale band is calibrated on a check's first two traced steps (every bench and matrix runs
-    # 2-step checks). Later, honest excursions outgrow its floor (a clean 3-step bf16 tp2 check, seed
-    # 77: a step-2 weight grad at 0.5x its norm-wise noise along itself, past the band's 0.25x):
-    # from the third step on, a scale is judged by k_scale alone.
-    first = reference.first_step()
-    banded = lambda step: draws and int(step) < first + BANDED_STEPS
-
-    # Excused param elements are bounded by what the optimizer can do to them: an update flipped by
-    # noise moves an element by twice its update, so k x (2 x the reference's largest update of that
-    # parameter, summed over the steps so far, + one ulp of its largest element: a BF16 weight of 1.0
-    # that an Adam step of 1e-3 leaves unchanged may round the other way in another layout). Traces
-    # without the initial parameters (step -1, written by tracer.job sessions) fall back on the
-    # largest move any perturbed run made at that step.
-    move: dict[int, float] = {}
-    for name in reference.order:
-        if reference.info[name]["kind"] == "param":
-            step = reference.info[name]["step"]
-            move[step] = max(move.get(step, 0.0), stats[name].env_max)
-    bound = lambda st, step, unit: policy.k * (
-        (2 * st.updates if not math.isnan(st.updates) else move.get(step, 0.0)) + unit * st.absmax)
-
-    depth_of: dict[str, int] = {}
-    results: list[TensorResult] = []
-    for index, (name, key, fam) in enumerate(zip(reference.order, keys, families, strict=True)):
-        e, st, got, shape = reference.info[name], stats[name], replicas[name], reference.shape(name)
-        depth = depth_of.setdefault(e["module"], len(depth_of))
-        noise, e_noise, rc_noise, own_noise, spread = pooled[fam]
-        tol = policy.tolerance([noise], e["dtype"])
-        res = TensorResult(
-            name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
-            step=e["step"], microbatch=e["microbatch"], index=index,
-            rel_err=_finite(st.rel_err), max_err=_finite(st.max_err), cosine=st.cosine, excused=st.excused,
-            nonfinite=st.nonfinite, replica_err=_finite(got.replica_err), replica_differ=got.replica_differ,
-            tolerance=tol,
-            noise=st.noise, max_noise=st.max_noise,
-            analytic_bound=policy.analytic_bound(depth, e["dtype"], reference.meta.get("precision")), ok=True,
-            elem_err=_finite(st.elem_err), elem_noise=st.elem_noise,
-            elem_tolerance=policy.elem_tolerance([e_noise], key.numel),
-            rowcol_err=_finite(st.rowcol_err), rowcol_noise=st.rowcol_noise,
-            rowcol_tolerance=policy.rowcol_tolerance([rc_noise], key.rowcol),
-            own_err=_finite(st.own_err), own_noise=st.own_noise,
-            scale_err=_finite(st.scale_err),
-            scale_tolerance=policy.scale_tolerance([noise], e["dtype"], e["kind"], shape),
-            scale_band=policy.scale_band(st.scale_mean, spread, noise, e["dtype"], e["kind"], shape,
-                                         banded(e["step"])),
-            excused_fraction=st.excused / max(1, key.numel), excused_dev=_finite(st.excused_dev),
-            excused_bound=bound(st, e["step"], key.unit),
-            beyond=st.beyond, beyond_noise=st.beyond_noise)
-        res.own_tolerance, res.joint_tolerance = policy.own_tolerances(own_noise, rc_noise, key.rowcol, draws)
-        if name in arriving.mismatch:
-            res.rel_err = res.max_err = res.elem_err = math.inf
-            res.cosine, res.nonfinite, res.excused = math.nan, 0, 0
-            res.ok, res.reason = False, (f"shape: {arriving.mismatch[name]} (the tensor's layout is not what "
-                                         "its placements or plan declare, e.g. a module left out of the "
-                                         "parallel plan)")
-        elif res.nonfinite:
-            res.ok, res.reason = False, f"{res.nonfinite} non-finite values"
-        elif res.rel_err > tol:
-            res.ok, res.reason = False, f"rel_err {res.rel_err:.3g} > tolerance {tol:.3g}"
-        elif abs(res.scale_err) > res.scale_tolerance:
-            res.ok, res.reason = False, (f"scale: the candidate is {1 + res.scale_err:.5g} x the reference "
-                                         f"along its direction (tolerance +-{res.scale_tolerance:.3g}; "
-                                         f"rel_err {res.rel_err:.3g})")
-        elif not res.scale_band[0] <= res.scale_err <= res.scale_band[1]:
-            res.ok, res.reason = False, (f"scale: the candidate is {1 + res.scale_err:.5g} x the reference "
-                                         f"along its direction, outside the range the perturbed runs span "
-                                         f"there [{1 + res.scale_band[0]:.5g}, {1 + res.scale_band[1]:.5g}] "
-                                         f"(rel_err {res.rel_err:.3g})")
-        elif res.elem_err > res.elem_tolerance:
-            res.ok, res.reason = False, (f"elementwise: an element is {res.elem_err:.3g} noise scales off "
-                                         f"(tolerance {res.elem_tolerance:.3g}; rel_err {res.rel_err:.3g})")
-        elif res.rowcol_err > res.rowcol_tolerance:
-            res.ok, res.reason = False, (f"elementwise: an element is {res.rowcol_err:.3g} x its row's and "
-                                         f"column's noise off (tolerance {res.rowcol_tolerance:.3g}; "
-                                         f"rel_err {res.rel_err:.3g})")
-        elif res.own_err > res.own_tolerance and res.rowcol_err > res.joint_tolerance:
-            res.ok, res.reason = False, (
-                f"elementwise: an element is {res.own_err:.3g} x its row's and column's noise fitted to the "
-                f"candidate's own errors (tolerance {res.own_tolerance:.3g}) and {res.rowcol_err:.3g} x the "
-                f"perturbed runs' (tolerance {res.joint_tolerance:.3g}): past both at once (rel_err "
-                f"{res.rel_err:.3g})")
-        elif policy.replicas == "exact" and res.replica_differ:
-            res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} differ in "
-                                         f"{res.replica_differ} element(s) (rel {res.replica_err:.3g}); "
-                                         "replicas agree bit for bit unless the recipe declares "
-                                         "nondeterministic kernels "
-                                         "(tolerance.replicas=tolerance)")
-        elif res.replica_err > tol:
-            res.ok, res.reason = False, (f"replicas on ranks {got.replica_ranks} disagree "
-                                         f"(rel {res.replica_err:.3g} > {tol:.3g})")
-        elif res.excused and res.excused_dev > res.excused_bound:
-            res.ok, res.reason = False, (f"an excused element moved {res.excused_dev:.3g}, beyond "
-                                         f"{res.excused_bound:.3g} (k x twice the largest update the "
-                                         "optimizer made to this parameter): more than a step flipped by "
-                                         "noise can explain")
-        elif res.beyond > (limit := beyond_limit(res.excused, res.beyond_noise, policy.k)):
-            res.ok, res.reason = False, (f"{res.beyond} of {res.excused} excused elements are beyond their "
-                                         f"perturbed envelope (a perturbed run: at most {res.beyond_noise}; "
-                                         f"limit {limit:.1f}): a systematic change of the update, not noise")
-        results.append(res)
+    results = judge(reference, keys, stats, policy, rounding_draws(perturbed), replicas, arriving.mismatch)
     first = next((r for r in results if not r.ok), None)
     return Comparison("pass" if first is None else "fail", results, first)

@@ -1,4 +1,4 @@
-"""The excusal count rule (tracer.compare.beyond_limit) on hand-built traces through tracer.measure:
+"""The excusal count rule (tracer.judge.beyond_limit) on hand-built traces through tracer.measure:
 a parameter whose gradient is within noise of zero everywhere (every post-step element excused),
 three perturbed runs that stay within 2x of one another, and a candidate that is honest but for a
 few elements (as from trained Adam state: docs/tolerance.md "From trained weights") passes, while
@@ -6,7 +6,7 @@ the reference's update reversed on 10% of the elements fails."""
 
 import torch
 
-from tracer.compare import beyond_limit
+from tracer.judge import beyond_limit
 from tracer.measure import TensorKey, measure
 from tracer.tolerance import TolerancePolicy
 
