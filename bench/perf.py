@@ -7,7 +7,9 @@
   (full <= 1.3x, stats <= 1.1x).
   `paired` beside them: the same ratio with traced and untraced steps (taps off) interleaved in blocks
   of 4 in one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's
-  figure.
+  figure. `paired.hooks_only`: the same with the writer's `add` doing nothing, what tracing costs
+  before a single byte is recorded (the taps and gradient hooks, the records' names): the floor no
+  change of the writer can go under on this model.
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
   peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
@@ -142,9 +144,15 @@ def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[floa
     return PairedSession(JobConfig.from_spec(spec, env=env))
 
 
-def _train_paired(spec: dict[str, Any], q: Any) -> None:
-    """Child process: one single-rank job timed by `_paired_session`."""
+def _train_paired(spec: dict[str, Any], q: Any, hooks_only: bool = False) -> None:
+    """Child process: one single-rank job timed by `_paired_session`. `hooks_only`: the writer records
+    nothing (its `add` returns at once), every hook still runs."""
     from workloads import train
+
+    if hooks_only:
+        import tracer.writer
+
+        tracer.writer.TraceWriter.add = lambda self, fields, tensor: None  # type: ignore[method-assign]
 
     traced: list[float] = []
     paused: list[float] = []
@@ -313,6 +321,7 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
 
 GOALS = {"step_time_ratio": 1.3, "stats_mode_step_time_ratio": 1.1}   # issue 16
 PAIRED_STEPS = 33   # per process: 4 traced blocks and 4 paused, 3 counted steps each
+PAIRED_MODES = ("full", "stats", "hooks_only")
 WRITERS = {"off": None, "legacy_full": "full", "full": "full", "stats": "stats"}
 
 
@@ -332,12 +341,12 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
             steps_of[w] += res["steps"][1:]   # step 0 pays one-off allocations
             cpu_of[w] += res["step_cpu"][1:]
             bytes_of[w] = _dir_bytes(store / f"round{r}") if mode else 0
-    paired: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in ("full", "stats")}
+    paired: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in PAIRED_MODES}
     for r in range(rounds):   # the same figures, traced and paused steps interleaved in one process
         for mode, got in paired.items():
             spec = _spec([f"steps={PAIRED_STEPS}"], str(tmp / f"tracer-overhead-paired-{mode}"), f"round{r}")
-            spec["trace"]["mode"] = mode
-            res = _in_child(_train_paired, spec)
+            spec["trace"]["mode"] = "stats" if mode == "stats" else "full"
+            res = _in_child(_train_paired, spec, hooks_only=mode == "hooks_only")
             got["traced"] += res["traced"]
             got["paused"] += res["paused"]
     med = {w: statistics.median(v) for w, v in steps_of.items()}
