@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,7 @@ class RankHost:
 
         self.preload = pool_preloads(os.environ.get(HOST_ENV, "torch._dynamo"))
         self.server = self._start()
+        self._restart = threading.Lock()   # rank tasks run on the actor's threads at once
 
     def _start(self) -> Any:
         from orchestrator.fork_server import ForkServer
@@ -121,10 +123,19 @@ class RankHost:
             local: tuple[int, int], requester: int, devices: dict[str, str]) -> dict[str, Any]:
         from orchestrator.rank_logs import node_id
 
-        if not self.server.alive():   # restarted: the ranks it was forking failed, later ones fork anew
-            self.server = self._start()
-        return self.server.run("orchestrator.jobs:run_rank", spec, rank, world_size, *rdzv, *local,
-                               node=node_id(), requester=requester, env=devices)
+        return self.live_server().run("orchestrator.jobs:run_rank", spec, rank, world_size, *rdzv, *local,
+                                      node=node_id(), requester=requester, env=devices)
+
+    def live_server(self) -> Any:
+        """The fork server, started anew if it died (the ranks it was forking failed; later ones fork
+        from the new one): once, however many rank tasks find it dead at the same time."""
+        server = self.server
+        if not server.alive():
+            with self._restart:
+                if self.server is server:
+                    server.close()   # reaped
+                    self.server = self._start()
+        return self.server
 
 
 _RankHost = ray.remote(RankHost)

@@ -261,3 +261,49 @@ print(light, all(getattr(tracer, n) is not None for n in tracer.__all__))
     assert out.stdout.splitlines() == [
         "rank 1's process exited with code 17 before reporting a result (see its log)", "True True"], \
         out.stdout + out.stderr
+
+
+def test_a_dead_fork_server_is_started_anew_once_however_many_rank_tasks_find_it_dead():
+    """Rank tasks run on the rank host's threads at once: those that find its fork server dead
+    together start one new server between them (each had started its own, and the spares idled until
+    the host ended)."""
+    from orchestrator.rank_tasks import RankHost
+
+    others = set(_children())   # the module's own server among them
+    host = RankHost()
+    first = host.server
+    first.proc.kill()
+    first.proc.wait()
+    together = threading.Barrier(4)
+    got = []
+
+    def ask():
+        together.wait()
+        got.append(host.live_server())
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        servers = [pid for pid in set(_children()) - others if b"fork_server import serve" in _cmdline(pid)]
+        assert len({id(s) for s in got}) == 1 and got[0] is not first and got[0].alive()
+        assert servers == [got[0].proc.pid]
+    finally:
+        for pid in set(_children()) - others:
+            if b"fork_server import serve" in _cmdline(pid):
+                os.kill(pid, 9)
+        host.server.close()
+
+
+def _children():
+    return [int(p) for task in os.listdir("/proc/self/task")
+            for p in open(f"/proc/self/task/{task}/children").read().split()]
+
+
+def _cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except FileNotFoundError:
+        return b""
