@@ -93,9 +93,12 @@ def crash_lines(path: Path | None, limit: int = 60) -> str:
 
 
 def node_id() -> str | None:
+    """This process's Ray node, None outside Ray. A process that never imported Ray (a forked rank)
+    is not connected to it: asked there, importing Ray would cost the rank 0.3 s for nothing."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return None
     try:
-        import ray
-
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:
         return None
