@@ -54,12 +54,12 @@ HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one 
 def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
     """Modules the fork server of this job's pool imports before forking its ranks."""
     entrypoint = str((spec.get("job") or {}).get("entrypoint") or "")
-    module = entrypoint.partition(":")[0]
-    return (*BASE_PRELOADS, module) if module.startswith(OWN_ADAPTERS) else BASE_PRELOADS
+    return pool_preloads(entrypoint.partition(":")[0])
 
 
 def pool_preloads(pool: str) -> tuple[str, ...]:
-    """The preload set whose last module names `pool` (`host_key`)."""
+    """The preload set whose last module names `pool` (`host_key`): ttrace's own adapter module
+    after torch's, any other name torch's alone."""
     return (*BASE_PRELOADS, pool) if pool.startswith(OWN_ADAPTERS) else BASE_PRELOADS
 
 

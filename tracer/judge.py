@@ -56,8 +56,7 @@ def judge(reference: LogicalTrace, keys: Sequence[TensorKey], stats: Mapping[str
     # (quantization noise is heavy-tailed: a few draws can land unluckily small). A parameter's
     # param_grad and param are their own family (a module's weight and its zero bias have nothing
     # in common); a module's outputs pool over the step's microbatches.
-    path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
-    families = [(info[n]["step"], path(n), info[n]["kind"]) for n in order]
+    families = [(info[n]["step"], key.path, key.kind) for n, key in zip(order, keys, strict=True)]
     pooled: dict[tuple, tuple[float, ...]] = {}
     move: dict[int, float] = {}   # a step's largest parameter move (_bound)
     for name, fam in zip(order, families, strict=True):
