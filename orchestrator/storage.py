@@ -10,8 +10,10 @@ files of each process (driver and Ray workers), and are never logged.
 
 from __future__ import annotations
 
+import socket
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -33,6 +35,8 @@ def options(store: dict[str, Any]) -> dict[str, Any]:
 def preflight(url: str, opts: dict[str, Any]) -> None:
     """Fail fast with a clear message when the store cannot be reached or written (before any job)."""
     configure(opts)
+    if opts.get("endpoint_url"):
+        _connect(url, str(opts["endpoint_url"]), float(opts.get("connect_timeout", 5)))
     try:
         fs, path = fsspec.core.url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
@@ -47,3 +51,17 @@ def preflight(url: str, opts: dict[str, Any]) -> None:
         raise TTraceError(f"trace store {url}{where} is unreachable or not writable ({type(e).__name__}: "
                           f"{reason}); check store.url / store.endpoint_url, the bucket, and the AWS "
                           "credentials in this environment") from None
+
+
+def _connect(url: str, endpoint: str, timeout: float) -> None:
+    """One TCP connection to an explicit endpoint first: nothing listening there is known at once,
+    where botocore's retries of each of the probe's three requests spent 3-6 s in backoff before
+    saying the same (measured against a closed local port)."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout).close()
+    except OSError as e:
+        raise TTraceError(f"trace store {url} at endpoint {endpoint} is unreachable (no connection to "
+                          f"{parts.hostname}:{port} within {timeout:g}s: {type(e).__name__}: {e}); check "
+                          "store.endpoint_url and that the object store is running") from None
