@@ -51,17 +51,6 @@ def test_sequence_parallel_clean_passes_and_unreduced_layernorm_grad_is_named(ra
     assert len(history) == len(clean.report["tensors"])
 
 
-def test_stats_mode_passes_the_clean_check_and_flags_the_unreduced_layernorm_grad(ray_cluster, workdir):
-    """trace.mode=stats (norm, max-abs, sum, hash per tensor) on a catalog bug and its clean twin."""
-    stats = ["parallel=tp2_sp", "trace.mode=stats", "tracking.enabled=false"]
-    clean, buggy = checks(workdir, stats, [*stats, "bug=sp_layernorm_grad_unreduced"])
-    assert clean.exit_code == 0, clean.report.get("first_divergence") or clean.message
-    assert buggy.verdict == "fail" and buggy.exit_code == 1
-    fd = buggy.report["first_divergence"]
-    assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
-    assert "trace.mode=stats" in buggy.report["localization_error"]   # no values to feed an isolation pass
-
-
 @pytest.mark.parametrize("overrides, needle", [
     (["parallel=tp3"], "parallel/tp3"),
     (["model.hidden=66", "parallel=tp2"], "hidden"),
@@ -80,37 +69,59 @@ FAULTS = {
     "exit": "rank 1's process exited with code 17 before reporting a result",   # dies mid-step
     "hang": "job 'candidate' timed out",      # a rank blocks; its peer waits in a collective
 }
+STATS = ["parallel=tp2_sp", "trace.mode=stats", "tracking.enabled=false"]
+# Checks of their own run in the same batch, while the hang waits out its timeout (the suite's cores
+# sat idle through it: 19 of its 23 s).
+BESIDE = {
+    "nan": ["parallel=tp2", "fault.kind=nan_grad", "fault.rank=1", "fault.step=0",
+            "tolerance.perturbations=2", "tracking.enabled=false"],
+    "stats": STATS,
+    "stats_bug": [*STATS, "bug=sp_layernorm_grad_unreduced"],
+}
 
 
 @pytest.fixture(scope="module")
-def faulted(ray_cluster, tmp_path_factory):
-    """The three faults as one batch of checks (as a sweep runs them): the others run while the hang
-    waits out its timeout. Only the candidates are faulted: 20 s covers their start with the batch's
-    rank host starting too (this file run alone: the references took 8.4 s; 12 s timed the exit case
-    out), and is all the hang case waits."""
+def batch(ray_cluster, tmp_path_factory):
+    """The three faults and BESIDE as one batch of checks (as a sweep runs them): the others run while
+    the hang waits out its timeout. Only the faulted candidates have short timeouts: 20 s covers the
+    start of those that must reach their fault, with the batch's rank host starting too (the faults
+    run alone: the references took 8.4 s; 12 s timed the exit case out); the hang's 8 s is all it
+    waits (started late or hung, it must end in the same error)."""
     base = tmp_path_factory.mktemp("faulted")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base)   # MLflow's database and the store land there, as with `workdir`
-        recipes = [["parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
-                    "tolerance.perturbations=2", "timeout_s=20"] for kind in FAULTS]
-        return dict(zip(FAULTS, checks(base, *recipes), strict=True))
+        recipes = {kind: ["parallel=tp2", f"fault.kind={kind}", "fault.rank=1", "fault.step=1",
+                          "tolerance.perturbations=2", f"timeout_s={8 if kind == 'hang' else 20}"]
+                   for kind in FAULTS}
+        recipes.update(BESIDE)
+        return dict(zip(recipes, checks(base, *recipes.values()), strict=True))
 
 
 @pytest.mark.parametrize("kind", list(FAULTS))
-def test_a_failing_rank_ends_in_an_error_never_a_verdict(faulted, kind):
-    res = faulted[kind]
+def test_a_failing_rank_ends_in_an_error_never_a_verdict(batch, kind):
+    res = batch[kind]
     assert res.verdict == "error" and res.exit_code == 2, res.report.get("first_divergence")
     assert FAULTS[kind] in res.message, res.message
     saved = json.loads(res.report_path.read_text())
     assert saved["verdict"] == "error" and saved["tensors"] == []
 
 
-def test_a_nan_produced_by_the_candidate_fails_the_check(ray_cluster, workdir):
+def test_a_nan_produced_by_the_candidate_fails_the_check(batch):
     """A rank produces a NaN gradient element mid-step: the check fails on non-finite values (exit 1),
     never passes; the isolation pass (whose rerun has no fault) cannot blame a module on its own."""
-    res = check(workdir, "parallel=tp2", "fault.kind=nan_grad", "fault.rank=1", "fault.step=0",
-                "tolerance.perturbations=2", "tracking.enabled=false")
+    res = batch["nan"]
     assert res.verdict == "fail" and res.exit_code == 1
     fd = res.report["first_divergence"]
     assert fd["kind"] == "param_grad" and "non-finite" in fd["reason"], fd
     assert res.report["culprit"]["resolved"] is False
+
+
+def test_stats_mode_passes_the_clean_check_and_flags_the_unreduced_layernorm_grad(batch):
+    """trace.mode=stats (norm, max-abs, sum, hash per tensor) on a catalog bug and its clean twin."""
+    clean, buggy = batch["stats"], batch["stats_bug"]
+    assert clean.verdict == "pass" and clean.exit_code == 0, (clean.message,
+                                                              clean.report.get("first_divergence"))
+    assert buggy.verdict == "fail" and buggy.exit_code == 1
+    fd = buggy.report["first_divergence"]
+    assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
+    assert "trace.mode=stats" in buggy.report["localization_error"]   # no values to feed an isolation pass

@@ -168,8 +168,13 @@ def test_a_stopped_job_stops_its_forked_ranks(ray_cluster, tmp_path):
     import psutil
 
     (tmp_path / "probe_rank.py").write_text(_PROBE)
+    # The pool's host warmed first (a no-op when an earlier test did), so the hung ranks are forked
+    # at once and a short timeout stops them after they wrote their pid files, not before.
+    warm = _probe_job("warm", tmp_path)
+    run_jobs([warm], cpus_per_rank=1, timeout_s=120, error_dir=tmp_path)
+    assert warm.error is None, warm.error
     hung = _probe_job("hung", tmp_path, "hang")
-    run_jobs([hung], cpus_per_rank=1, timeout_s=8, error_dir=tmp_path)
+    run_jobs([hung], cpus_per_rank=1, timeout_s=4, error_dir=tmp_path)
     assert hung.error and "timed out" in hung.error, hung.error
     pids = [int((tmp_path / f"hung-{r}.pid").read_text()) for r in (0, 1)]
     deadline = time.monotonic() + 30
