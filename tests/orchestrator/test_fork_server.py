@@ -29,6 +29,16 @@ def sleeps():
     time.sleep(float(os.environ.get("SLEEP", "60")))
     return {"slept": True}
 
+def meets():
+    # Up, then waits for its peer to be up too: only ranks running at once both meet.
+    Path(os.environ["READY"]).write_text("up")
+    peer, deadline = Path(os.environ["PEER"]), time.monotonic() + 30
+    while not peer.exists():
+        if time.monotonic() > deadline:
+            return {"met": False}
+        time.sleep(0.01)
+    return {"met": True}
+
 def idle():
     time.sleep(60)
 
@@ -72,22 +82,23 @@ def rank(server, entry, rank=0, env=None, requester=None, trace=False):
 
 def test_ranks_fork_from_a_server_without_threads_with_its_heap_frozen_and_run_side_by_side(server):
     """The server has imported torch and holds no other thread when it forks; a rank's GC passes skip
-    the heap it shares with the server; two ranks run at once (each sleeps 1 s). Neither imports Ray
-    (0.3 s a rank, for nothing: a forked rank is no Ray worker)."""
+    the heap it shares with the server; two ranks run at once (each waits for the other to be up: one
+    after the other, the first gives up after 30 s). Neither imports Ray (0.3 s a rank, for nothing:
+    a forked rank is no Ray worker)."""
     fs, work = server
     out = rank(server, "frozen")
     assert out["torch"] and out["frozen"] > 10000 and out["threads"] <= 2   # + the requester watch
     assert not out["ray"]
     assert len(os.listdir(f"/proc/{fs.proc.pid}/task")) == 1
-    results, t0 = [], time.monotonic()
-    both = [threading.Thread(target=lambda i=i: results.append(
-        rank(server, "sleeps", i, env={"READY": str(work / f"ready{i}"), "SLEEP": "1"}))) for i in (0, 1)]
+    results = []
+    both = [threading.Thread(target=lambda i=i: results.append(rank(
+        server, "meets", i, env={"READY": str(work / f"up{i}"), "PEER": str(work / f"up{1 - i}")})))
+        for i in (0, 1)]
     for t in both:
         t.start()
     for t in both:
         t.join()
-    assert len(results) == 2 and all(r["slept"] for r in results)
-    assert time.monotonic() - t0 < 1.9   # side by side, not one after the other
+    assert [r["met"] for r in results] == [True, True], results   # side by side, not one after the other
 
 
 def test_a_server_started_beside_a_package_named_like_ours_still_runs_ours(tmp_path, monkeypatch):
