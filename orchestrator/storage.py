@@ -58,10 +58,15 @@ def _connect(url: str, endpoint: str, timeout: float) -> None:
     where botocore's retries of each of the probe's three requests spent 3-6 s in backoff before
     saying the same (measured against a closed local port)."""
     parts = urlsplit(endpoint)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        socket.create_connection((parts.hostname or "", port), timeout=timeout).close()
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as e:   # a port out of range
+        raise TTraceError(f"store.endpoint_url {endpoint!r} is not a valid URL ({e})") from None
+    if not host:   # no scheme://host: botocore's own message says what is wrong with it
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         raise TTraceError(f"trace store {url} at endpoint {endpoint} is unreachable (no connection to "
-                          f"{parts.hostname}:{port} within {timeout:g}s: {type(e).__name__}: {e}); check "
+                          f"{host}:{port} within {timeout:g}s: {type(e).__name__}: {e}); check "
                           "store.endpoint_url and that the object store is running") from None
