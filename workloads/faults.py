@@ -15,6 +15,7 @@ reaches the candidate's isolation pass, which runs the candidate's code: a bug a
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +46,8 @@ def maybe_inject(spec: Mapping[str, Any], rank: int, step: int, model: Any = Non
     if kind == "exit":
         os._exit(17)
     if kind == "hang":
+        # Said in the rank's log: a job stopped at its timeout is then known to have hung here.
+        print(f"injected hang on rank {rank} at step {step}", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     if kind == "nan_grad":

@@ -86,7 +86,7 @@ def batch(ray_cluster, tmp_path_factory):
     the hang waits out its timeout. Only the faulted candidates have short timeouts: 20 s covers the
     start of those that must reach their fault, with the batch's rank host starting too (the faults
     run alone: the references took 8.4 s; 12 s timed the exit case out); the hang's 8 s is all it
-    waits (started late or hung, it must end in the same error)."""
+    waits (its log shows it got to its hang first)."""
     base = tmp_path_factory.mktemp("faulted")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(base)   # MLflow's database and the store land there, as with `workdir`
@@ -104,6 +104,9 @@ def test_a_failing_rank_ends_in_an_error_never_a_verdict(batch, kind):
     assert FAULTS[kind] in res.message, res.message
     saved = json.loads(res.report_path.read_text())
     assert saved["verdict"] == "error" and saved["tensors"] == []
+    if kind == "hang":   # stopped where it hung, not before it got there
+        logs = [res.report_path.parent / p for p in saved["logs"]["candidate"]]
+        assert any("injected hang on rank 1 at step 1" in log.read_text() for log in logs), logs
 
 
 def test_a_nan_produced_by_the_candidate_fails_the_check(batch):
