@@ -6,6 +6,7 @@ tests/ray, and any test that uses the `ray_cluster` fixture, is marked `ray`:
 `pytest -m "not ray"` runs the fast ones."""
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,11 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     os.environ.setdefault("TTRACE_TEST", "1")
     return tmp_path
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -181,10 +180,8 @@ def test_check_through_s3_object_storage(ray_cluster, workdir, s3_endpoint):
     assert run.data.params["store.endpoint_url"] == s3_endpoint
 
 
-def test_unreachable_s3_endpoint_exits_2_with_a_clear_message(workdir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]      # closed once the block ends: nothing listens there
+def test_unreachable_s3_endpoint_exits_2_with_a_clear_message(workdir, closed_port):
+    port = closed_port
     env = dict(os.environ, AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1")
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "store=s3",
                            "store.url=s3://nowhere/runs", f"store.endpoint_url=http://127.0.0.1:{port}",
