@@ -452,6 +452,83 @@ def _exported(commit: str) -> str:
     return str(path)
 
 
+def _scale_store(tmp: Path, label: str, layers: int) -> tuple[str, list[str]]:
+    """The reference, R perturbed runs and a tp2 candidate of gpt_tiny at `layers` layers, traced into
+    tmp/scale-<label> (once): (the store, its runs, the candidate last)."""
+    store = str(tmp / f"scale-{label}")
+    runs = ["reference", *(f"perturbed{i}" for i in range(1, R + 1)), "candidate"]
+    if not (tmp / f"scale-{label}" / "candidate").is_dir():
+        ov = [f"model.layers={layers}"]
+        _spawn([_spec(ov, store, "reference"), *(_spec(ov, store, f"perturbed{i}", perturb_seed=i)
+                                                  for i in range(1, R + 1))])
+        # The candidate is sharded (tp2): the comparison reassembles it, as in a real check.
+        _spawn_ranks(_spec(ov, store, "candidate", parallel=CANDIDATE))
+    return store, runs
+
+
+SHARE_WORKERS = (2, 4)
+
+
+def _compare_shares(store: str, runs: list[str], rounds: int, q: Any) -> None:
+    """Child process: the comparison walked by this process, then measured in N Ray tasks of 1 CPU
+    (orchestrator/compare_tasks.py) on a local Ray of this machine's cores, interleaved per round;
+    and the bytes of parts each of N shares reads (tracer/compare_shares.py)."""
+    import ray
+
+    from orchestrator.compare_tasks import measurer
+    from orchestrator.recipe import compose
+    from tracer.compare import compare
+    from tracer.compare_inputs import tensor_keys
+    from tracer.compare_shares import RunAt, partition
+    from tracer.kernels import warm_up
+    from tracer.logical import load_logical
+    from tracer.store import world_size_of
+    from tracer.tolerance import TolerancePolicy
+
+    ray.init(num_cpus=mp.cpu_count(), include_dashboard=False, log_to_driver=False)
+    policy = TolerancePolicy.from_config(compose([])["tolerance"])
+    warm_up()
+    at = {r: RunAt(store, r, world_size_of(store, r)) for r in runs}
+    opened = lambda: [load_logical(store, r, at[r].world_size, lazy=True) for r in runs]
+    perturbed = [at[r] for r in runs[1:-1]]
+    tasks = lambda n: measurer({}, at[runs[0]], at[runs[-1]], perturbed, n, policy.k_elem)
+    how = {"driver": None, **{f"{n} tasks": tasks(n) for n in SHARE_WORKERS}}
+    times: dict[str, list[float]] = {k: [] for k in how}
+    for _ in range(rounds + 1):   # the first round starts the task workers: not counted
+        for label, m in how.items():
+            ref, *pert, cand = opened()
+            t0 = time.perf_counter()
+            verdict = compare(ref, cand, pert, policy, measurer=m).verdict
+            times[label].append(time.perf_counter() - t0)
+            assert verdict == "pass", (label, verdict)
+    traces = opened()
+    keys = tensor_keys(traces[0])
+    size: dict[tuple[str, int, str], int] = {}   # every part's bytes
+    for t in traces:
+        for n in t.order:
+            for rt, e in t.tensors.pieces(n):
+                if (t.run, rt.rank, e["file"]) not in size:
+                    size[t.run, rt.rank, e["file"]] = next(int(f["bytes"]) for f in rt.manifest["files"]
+                                                           if f["file"] == e["file"])
+    part_bytes = lambda names: sum(size[p] for p in {(t.run, rt.rank, e["file"]) for t in traces
+                                                     for n in names for rt, e in t.tensors.pieces(n)})
+    q.put({"seconds": {k: v[1:] for k, v in times.items()},
+           "median_s": {k: statistics.median(v[1:]) for k, v in times.items()},
+           "first_round_s": {k: v[0] for k, v in times.items()},
+           "parts_bytes": part_bytes([k.name for k in keys]),
+           "share_parts_bytes": {str(n): [part_bytes([k.name for k in s]) for s in partition(keys, n)]
+                                 for n in SHARE_WORKERS}})
+    ray.shutdown()
+
+
+def compare_shares(tmp: Path, label: str = "16x", rounds: int = 3) -> dict[str, Any]:
+    """The comparison in shares on this one machine: what splitting costs where the shares share the
+    cores (a diagnostic: its gain needs several nodes, docs/scale.md section 4; no goal)."""
+    store, runs = _scale_store(tmp, label, SCALES[label])
+    return {"store": label, "cpus": mp.cpu_count(), "task_cpus": 1, "rounds": rounds,
+            **_in_child(_compare_shares, store, runs, rounds)}
+
+
 def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = ROUNDS,
                     before: str = COMPARE_BASELINE) -> dict[str, Any]:
     """Per size: the comparison `before` (the code of commit `before`, default COMPARE_BASELINE) and
@@ -460,13 +537,7 @@ def compare_scaling(tmp: Path, scales: dict[str, int] = SCALES, rounds: int = RO
     baseline = _exported(before)
     out = {}
     for label, layers in scales.items():
-        store = str(tmp / f"scale-{label}")
-        ov = [f"model.layers={layers}"]
-        runs = ["reference", *(f"perturbed{i}" for i in range(1, R + 1)), "candidate"]
-        _spawn([_spec(ov, store, "reference"), *(_spec(ov, store, f"perturbed{i}", perturb_seed=i)
-                                                  for i in range(1, R + 1))])
-        # The candidate is sharded (tp2): the comparison reassembles it, as in a real check.
-        _spawn_ranks(_spec(ov, store, "candidate", parallel=CANDIDATE))
+        store, runs = _scale_store(tmp, label, layers)
         rows: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         _raw_read(store)   # untimed: parts written with O_DIRECT are not in the page cache; every round
         for _ in range(rounds):   # then reads them from it, as it did before the writer bypassed it
@@ -639,6 +710,13 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"compare.throughput_ratio_to_raw_read {size}: before ({commit}) {v['before']:.3f}, "
                          f"after {v['after']:.3f}" + (f" (goal >= {goal})" if goal else "")
                          + ("  MISSED" if f"compare {size}" in r["compare"]["missed"] else ""))
+    if "compare_shares" in r:
+        c = r["compare_shares"]
+        lines += ["", f"comparison in Ray tasks of {c['task_cpus']} CPU on this {c['cpus']}-core machine "
+                  f"({c['store']}, {c['parts_bytes'] / 1e6:.0f} MB of parts; median of {c['rounds']} rounds)"]
+        lines += [f"{k:<9} {v:.2f} s" + (f"  (each share reads "
+                  f"{', '.join(f'{b / 1e6:.0f}' for b in c['share_parts_bytes'][k.split()[0]])} MB)"
+                  if k != "driver" else "") for k, v in c["median_s"].items()]
     if "error" in r.get("check_latency", {}):
         lines += ["", f"check latency: not measured ({r['check_latency']['error'][:200]})"]
     elif "check_latency" in r:
@@ -717,12 +795,15 @@ def main() -> None:
                     help="measure only the comparison (before/after), added to bench/perf.json")
     ap.add_argument("--only-check-latency", action="store_true",
                     help="measure only the warm-cluster check latency, added to bench/perf.json")
+    ap.add_argument("--only-compare-shares", action="store_true",
+                    help="measure only the comparison in Ray tasks on this machine (a diagnostic)")
     ap.add_argument("--scales", default=",".join(SCALES), help="comparison sizes, e.g. 1x,16x")
     ap.add_argument("--compare-rounds", type=int, default=ROUNDS)
     ap.add_argument("--compare-before", default=COMPARE_BASELINE,
                     help="the commit whose comparison is `before` (default: the last before the kernels)")
     args = ap.parse_args()
-    only = args.only_e2e or args.only_compare or args.only_check_latency or args.only_tracer_overhead
+    only = (args.only_e2e or args.only_compare or args.only_check_latency or args.only_tracer_overhead
+            or args.only_compare_shares)
     scales = {s: SCALES[s] for s in args.scales.split(",")}
     result: dict[str, Any] = {"cpus": mp.cpu_count(), "steps": args.steps}
     if only and OUT.exists():
@@ -744,6 +825,10 @@ def main() -> None:
             result["scaling"] = compare_scaling(tmp, scales, args.compare_rounds, args.compare_before)
             result["compare"] = compare_summary(result["scaling"])
             result["measured"]["compare"] = stamp
+            OUT.write_text(json.dumps(result, indent=1, default=str))
+        if not only or args.only_compare_shares:
+            result["compare_shares"] = compare_shares(tmp)
+            result["measured"]["compare_shares"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only or args.only_check_latency:
             try:

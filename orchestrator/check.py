@@ -15,15 +15,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, inputs, layouts, recipe, routing, storage
+from orchestrator import cluster, compare_tasks, inputs, layouts, recipe, routing, storage
 from orchestrator.isolation_pass import isolate, wants_isolation
 from orchestrator.outcome import CheckResult, PlannedCheck, finish, keep_logs
 from orchestrator.prefetch import ReferencePrefetch
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
-from orchestrator.refcache import commit, share_references
+from orchestrator.refcache import ReferenceSet, commit, share_references
 from orchestrator.report import tracking
 from tracer.compare import compare
+from tracer.compare_shares import RunAt
 from tracer.errors import TTraceError
 from tracer.heap import gc_frozen
 from tracer.logical import load_logical
@@ -110,6 +111,21 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
     return p
 
 
+def _measurer(p: PlannedCheck, rs: ReferenceSet, policy: TolerancePolicy) -> Any:
+    """The measurement in Ray tasks when `cluster.compare_workers` > 1 (orchestrator/compare_tasks.py),
+    else None: in this process, with the reference side read ahead (orchestrator/prefetch.py)."""
+    workers = int(p.rec["cluster"].get("compare_workers") or 1)
+    if workers <= 1:
+        return None
+    assert p.candidate is not None
+    p.report["compare_workers"] = workers
+    at = lambda run: RunAt(rs.url, run, rs.world_size)
+    return compare_tasks.measurer(storage.options(p.rec["store"]), at(rs.runs[0]),
+                                  RunAt(p.store_url, "candidate", p.candidate.world_size),
+                                  [at(r) for r in rs.runs[1:]], workers, policy.k_elem,
+                                  int(p.rec["cluster"].get("compare_cpus") or 1))
+
+
 def _judge(p: PlannedCheck, prefetch: ReferencePrefetch) -> None:
     """Compare the candidate with the reference; any failure to do so becomes p.error."""
     timings, report = p.report["timings"], p.report
@@ -148,8 +164,9 @@ def _judge(p: PlannedCheck, prefetch: ReferencePrefetch) -> None:
             report["reference"]["compared"] = (
                 f"param_grad and param only: the reference cuts the global batch into microbatches of "
                 f"{p.rec['reference']['micro_batch']}, the candidate into {p.rec['data']['micro_batch']}")
+        shared = _measurer(p, rs, policy)
         p.comparison = compare(reference, candidate, perturbed, policy, per_step_only=per_step,
-                               prepared=prefetch.prepared(rs))
+                               prepared=None if shared else prefetch.prepared(rs), measurer=shared)
         p.loaded = (reference, perturbed)
         if p.comparison.verdict == "fail" and not per_step:   # an MoE FAIL: tokens that changed experts
             flips = routing_flips(reference, candidate, perturbed, int(p.rec["model"].get("top_k", 2)))

@@ -104,6 +104,8 @@ class Cluster:
     address: str | None = None       # null: start a local Ray; "auto" or host:port to join one
     num_cpus: int | None = None
     cpus_per_rank: float = 1
+    compare_workers: int = 1         # the comparison's measurement in this many Ray tasks (1: in the driver)
+    compare_cpus: int = 1            # CPUs of each of those tasks (its threads)
 
 
 @dataclass

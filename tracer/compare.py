@@ -6,16 +6,17 @@ and `compare`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from tracer.compare_inputs import ShapeCheckedReads, tensor_keys
+from tracer.compare_inputs import tensor_keys
+from tracer.compare_shares import Measured, measure_keys
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.judge import judge
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
-from tracer.measure import measure
+from tracer.measure import TensorKey
 from tracer.reference_side import ReferenceSide
 from tracer.stats_compare import compare_stats
 from tracer.tolerance import TolerancePolicy
@@ -83,21 +84,24 @@ class _Subset(Mapping[str, Assembled]):
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
             policy: TolerancePolicy, *, per_step_only: bool = False,
-            prepared: Mapping[str, ReferenceSide] | None = None) -> Comparison:
+            prepared: Mapping[str, ReferenceSide] | None = None,
+            measurer: Callable[[Sequence[TensorKey]], Measured] | None = None) -> Comparison:
     """Judge every reference tensor against the candidate; raise TraceError on mismatched runs.
     `per_step_only`: judge the tensors of a whole step (param_grad, param) only, when the runs cut the
     global batch into different microbatches (a reference without gradient accumulation).
     `prepared`: the reference set's side, made before the candidate was done
-    (tracer.compare_inputs.prepare_reference_side). The cyclic GC is paused meanwhile: the walk makes
+    (tracer.compare_inputs.prepare_reference_side). `measurer`: measures the keys elsewhere, e.g. in
+    shares on several workers (tracer/compare_shares.py, orchestrator/compare_tasks.py); default: here,
+    on this process's cores. The cyclic GC is paused meanwhile: the walk makes
     no cycles, but its allocations (part views, figures) triggered passes that rescanned all it holds
     (a 16x comparison: 2.45 s with them, 1.73 s without)."""
     with gc_paused():
-        return _compare(reference, candidate, perturbed, policy, per_step_only, prepared)
+        return _compare(reference, candidate, perturbed, policy, per_step_only, prepared, measurer)
 
 
 def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
-             policy: TolerancePolicy, per_step_only: bool, prepared: Mapping[str, ReferenceSide] | None
-             ) -> Comparison:
+             policy: TolerancePolicy, per_step_only: bool, prepared: Mapping[str, ReferenceSide] | None,
+             measurer: Callable[[Sequence[TensorKey]], Measured] | None) -> Comparison:
     if per_step_only:
         prepared = None   # other tensors, other chunks
         reference, candidate = _per_step(reference), _per_step(candidate)
@@ -138,10 +142,15 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     # candidate's own (accepted) gradient deviation times the gain measured on the perturbed runs
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     keys = tensor_keys(reference)
-    replicas: dict[str, Assembled] = {}
-    arriving = ShapeCheckedReads(candidate, reference, replicas)
-    stats = measure(keys, ShapeCheckedReads(reference, reference), arriving,
-                    [ShapeCheckedReads(p, reference) for p in perturbed], policy.k_elem, prepared=prepared)
+    if measurer is None:
+        got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared)
+    else:
+        got = measurer(keys)
+        lost = [k.name for k in keys if k.name not in got.stats or k.name not in got.replicas]
+        if lost:
+            raise TraceError(f"the comparison's measurement returned no figures for {len(lost)} of "
+                             f"{len(keys)} tensors (e.g. {lost[:3]}): a share was lost; compare again")
+    stats = got.stats
     _check_perturbed_moved(reference, perturbed, stats)
     for name in reference.order:
         if stats[name].ref_nonfinite:
@@ -151,6 +160,6 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
             raise TraceError(f"{name}: a perturbed reference run has non-finite values where the reference "
                              "has none; the recipe is unstable under a one-ulp weight change, so no "
                              "tolerance can be estimated (fix the recipe: lower lr, fewer steps)")
-    results = judge(reference, keys, stats, policy, rounding_draws(perturbed), replicas, arriving.mismatch)
+    results = judge(reference, keys, stats, policy, rounding_draws(perturbed), got.replicas, got.mismatch)
     first = next((r for r in results if not r.ok), None)
     return Comparison("pass" if first is None else "fail", results, first)

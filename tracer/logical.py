@@ -21,7 +21,7 @@ from tracer.heap import gc_paused
 from tracer.layouts import Assembled, Layout, Piece, assemble, axes_known
 from tracer.rank_spans import assemble_chunk, exactly_scaled, joined, plan_chunk, runs_by
 from tracer.safetensors_views import PartTensors
-from tracer.store import READ_THREADS, RankTrace, read_run
+from tracer.store import READ_THREADS, RankTrace, read_run, run_mode
 
 _pool: ThreadPoolExecutor | None = None
 
@@ -89,23 +89,7 @@ def load_logical(root: str, run: str, world_size: int, *, lazy: bool = False) ->
     module doc), otherwise every part is read and verified now."""
     with gc_paused():
         ranks = read_run(root, run, world_size)
-        # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
-        # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
-        prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
-        if len(set(prints.values())) > 1:
-            odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
-            seen = sorted(set(map(str, prints.values())))
-            raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
-                             f"than rank {ranks[0].rank} (fingerprints {seen}); "
-                             "the run directory mixes runs, rerun the job into a fresh store path")
-        modes = {str(rt.manifest.get("mode", "full")) for rt in ranks}
-        if len(modes) > 1:
-            raise TraceError(f"run '{run}' under {root} mixes trace modes {sorted(modes)} across ranks; "
-                             "rerun the job into a fresh store path")
-        (mode,) = modes
-        if mode == "scan":
-            raise TraceError(f"run '{run}' under {root} is a scan's per-step fingerprint log (trace.mode="
-                             "scan), not a trace to reassemble: `ttrace scan` judges it")
+        mode = run_mode(root, run, ranks)
         stored = StoredTensors(run, ranks)
         info = stored.info
         order = sorted(info, key=lambda n: (info[n]["step"], info[n]["seq"]))   # lowest rank's record order
@@ -160,6 +144,7 @@ class StoredTensors(Mapping[str, Assembled]):
         self._read: set[tuple[int, str]] = set()               # parts read at least once
         self._ahead: set[tuple[int, str]] = set()              # parts whose successors were read ahead
         self._layouts: dict[str, Layout] = {}                  # name -> parsed layout (parsed once)
+        self._wanted: dict[tuple[int, str], int] | None = None  # per part, the keys a walk reads (restrict)
         self.resident_max = 0                                   # most parts held at once (bench, tests)
         self.stored_bytes = sum(int(f["bytes"]) for rt in ranks for f in rt.manifest["files"])
 
@@ -220,6 +205,16 @@ class StoredTensors(Mapping[str, Assembled]):
             self._consumed(part, n)
         return out
 
+    def restrict(self, names: Sequence[str]) -> None:
+        """The walk looks up `names` only (a comparison's share, tracer/compare_shares.py): a part is
+        read (and read ahead) only if it holds one of them, and dropped once those are assembled."""
+        wanted: dict[tuple[int, str], int] = {}
+        for name in names:
+            for rt, e in self._pieces[name]:
+                if e.get("file") is not None:
+                    wanted[rt.rank, e["file"]] = wanted.get((rt.rank, e["file"]), 0) + 1
+        self._wanted = wanted
+
     def _consumed(self, part: tuple[int, str], n: int) -> None:
         """n more of the part's tensors assembled: dropped once all of them are (module doc)."""
         self._left[part] -= n
@@ -272,7 +267,8 @@ class StoredTensors(Mapping[str, Assembled]):
             self._ahead.add(part)
             files, i = self._files[part[0]], self._position[part]
             for nxt in files[i + 1:i + 1 + READ_THREADS]:
-                if (part[0], nxt) not in self._read:
+                wanted = self._wanted is None or (part[0], nxt) in self._wanted
+                if (part[0], nxt) not in self._read and wanted:
                     self._fetch(rt, (part[0], nxt))
         ready = self._ready[part] = self._parts[part].result()
         return ready
@@ -280,7 +276,8 @@ class StoredTensors(Mapping[str, Assembled]):
     def _fetch(self, rt: RankTrace, part: tuple[int, str]) -> None:
         info = rt.manifest["files"][self._position[part]]
         self._parts[part] = _reader().submit(self._verified, rt, info)
-        self._left[part] = len(self._keys.get(part, ()))
+        wanted = self._wanted
+        self._left[part] = len(self._keys.get(part, ())) if wanted is None else wanted.get(part, 0)
         self._read.add(part)
         self.resident_max = max(self.resident_max, len(self._parts))
 

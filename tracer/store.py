@@ -210,3 +210,26 @@ def read_run(root: str, run: str, world_size: int) -> list[RankTrace]:
         raise TraceError(f"run '{run}' under {root} has no committed manifest for rank(s) {missing} of "
                          f"{world_size}: those ranks did not finish writing their trace; rerun the job")
     return traces
+
+
+def run_mode(root: str, run: str, ranks: list[RankTrace]) -> str:
+    """The run's trace mode, its rank manifests checked to be of one run: one recipe, one mode, and a
+    trace to reassemble (not a scan's fingerprint log)."""
+    # One run, one recipe: a rank manifest written by another run (a stale or copied directory)
+    # would otherwise be reassembled silently, since only rank 0's meta is compared across runs.
+    prints = {rt.rank: rt.manifest.get("meta", {}).get("fingerprint") for rt in ranks}
+    if len(set(prints.values())) > 1:
+        odd = sorted(r for r, f in prints.items() if f != prints[ranks[0].rank])
+        seen = sorted(set(map(str, prints.values())))
+        raise TraceError(f"run '{run}' under {root}: rank(s) {odd} were traced from a different recipe "
+                         f"than rank {ranks[0].rank} (fingerprints {seen}); "
+                         "the run directory mixes runs, rerun the job into a fresh store path")
+    modes = {str(rt.manifest.get("mode", "full")) for rt in ranks}
+    if len(modes) > 1:
+        raise TraceError(f"run '{run}' under {root} mixes trace modes {sorted(modes)} across ranks; "
+                         "rerun the job into a fresh store path")
+    (mode,) = modes
+    if mode == "scan":
+        raise TraceError(f"run '{run}' under {root} is a scan's per-step fingerprint log (trace.mode="
+                         "scan), not a trace to reassemble: `ttrace scan` judges it")
+    return mode

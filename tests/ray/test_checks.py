@@ -77,6 +77,10 @@ BESIDE = {
             "tolerance.perturbations=2", "tracking.enabled=false"],
     "stats": STATS,
     "stats_bug": [*STATS, "bug=sp_layernorm_grad_unreduced"],
+    # the comparison measured in two Ray tasks (orchestrator/compare_tasks.py)
+    **{f"shares_{bug}": ["parallel=tp2", f"bug={bug}", "cluster.compare_workers=2",
+                         "tolerance.perturbations=2", "tracking.enabled=false", "localize=false"]
+       for bug in ("none", "row_parallel_bias_per_rank")},
 }
 
 
@@ -107,6 +111,16 @@ def test_a_failing_rank_ends_in_an_error_never_a_verdict(batch, kind):
     if kind == "hang":   # stopped where it hung, not before it got there
         logs = [res.report_path.parent / p for p in saved["logs"]["candidate"]]
         assert any("injected hang on rank 1 at step 1" in log.read_text() for log in logs), logs
+
+
+def test_a_check_measured_in_ray_tasks_passes_clean_and_names_a_bug(batch):
+    clean, buggy = batch["shares_none"], batch["shares_row_parallel_bias_per_rank"]
+    assert clean.report["compare_workers"] == buggy.report["compare_workers"] == 2
+    assert clean.verdict == "pass", clean.report.get("first_divergence") or clean.message
+    assert len(clean.report["tensors"]) > 100 and all(t["ok"] for t in clean.report["tensors"])
+    assert buggy.verdict == "fail", buggy.message
+    fd = buggy.report["first_divergence"]      # the per-rank bias shows at (or right after) attn.proj
+    assert fd["module"].endswith(".attn.proj"), fd
 
 
 def test_a_nan_produced_by_the_candidate_fails_the_check(batch):

@@ -1,0 +1,62 @@
+"""A check's measurement on several Ray workers (recipe `cluster.compare_workers` > 1).
+
+The tensors are cut into shares (tracer/compare_shares.py); each share is a Ray task that opens the
+runs from the store itself, reads the parts holding its tensors and measures them on its own cores
+(`cluster.compare_cpus` each); the driver judges all figures together (tracer.compare), as it
+judges one process's. Tasks are spread over the cluster's nodes: with a shared store (S3, or a
+directory every node mounts) a share reads its parts where it runs. What a task sends back is its
+figures, not tensors.
+
+A share that fails ends the check with its error (a corrupt part names its file, as in one process);
+a share whose worker died is an error too: no verdict is given on the figures of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from tracer.compare_shares import Measured, RunAt, measure_share, merge, partition
+from tracer.errors import TraceError, TTraceError
+from tracer.measure import TensorKey
+from tracer.store import configure
+
+
+def _share(store_opts: dict[str, Any], reference: RunAt, candidate: RunAt, perturbed: list[RunAt],
+           keys: list[TensorKey], k_elem: float, threads: int) -> dict[str, Any]:
+    configure(store_opts)   # the store's endpoint and timeouts in this worker, as in the ranks
+    return measure_share(reference, candidate, perturbed, keys, k_elem, workers=threads).to_json()
+
+
+_share_task = ray.remote(max_retries=0)(_share)
+
+
+def measurer(store_opts: dict[str, Any], reference: RunAt, candidate: RunAt, perturbed: Sequence[RunAt],
+             workers: int, k_elem: float, cpus: int = 1) -> Callable[[Sequence[TensorKey]], Measured]:
+    """tracer.compare's `measurer`: the keys in `workers` shares, each a Ray task of `cpus` CPUs."""
+
+    def run(keys: Sequence[TensorKey]) -> Measured:
+        shares = partition(keys, workers)
+        task = _share_task.options(num_cpus=cpus, scheduling_strategy="SPREAD")
+        refs = [task.remote(store_opts, reference, candidate, list(perturbed), share, k_elem, cpus)
+                for share in shares]
+        got = []
+        for i, ref in enumerate(refs):
+            which = (f"comparison share {i + 1} of {len(refs)} ({len(shares[i])} tensors from "
+                     f"{shares[i][0].name})")
+            try:
+                got.append(Measured.from_json(ray.get(ref)))
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause
+                if isinstance(cause, TTraceError):   # what one process would have raised, as it said it
+                    raise type(cause)(str(cause)) from None
+                raise TTraceError(f"{which} failed: {type(cause).__name__}: {cause}") from None
+            except ray.exceptions.RayError as e:   # the worker died (OOM, killed) or its node was lost
+                lost = f"{type(e).__name__}: {str(e)[:300]}"
+                raise TraceError(f"{which}: its worker was lost ({lost}); no verdict on the other shares "
+                                 "alone. Rerun the check (or lower cluster.compare_workers)") from None
+        return merge(got)
+
+    return run

@@ -1,0 +1,168 @@
+"""The comparison in shares (tracer/compare_shares.py): the tensors cut so that each share can be read
+and measured apart, the figures judged together, the verdicts those of one walk."""
+
+import json
+import math
+
+import pytest
+from test_store_compare import write_run
+
+import tracer.store
+from tracer.compare import compare
+from tracer.compare_shares import Measured, RunAt, measure_share, merge, partition
+from tracer.errors import TraceError
+from tracer.logical import load_logical
+from tracer.measure import TensorKey
+from tracer.tolerance import TolerancePolicy
+
+K_ELEM = TolerancePolicy().k_elem
+RUNS = {"reference": {}, "perturbed-0": {"fc_scale": 1 + 2**-22}, "candidate": {"tp": 2},
+        "buggy": {"tp": 2, "fc_scale": 1.01}}
+
+
+def _keys() -> list[TensorKey]:
+    """Two steps of a model of six modules and four parameters, in execution order."""
+    keys = []
+    for step in range(2):
+        for mb in range(2):
+            for kind, mods in (("output", range(6)), ("grad_output", reversed(range(6)))):
+                keys += [TensorKey(f"{step}/{mb}/m{m}/{kind}", kind, f"m{m}", 2**-24, 100 * (m + 1))
+                         for m in mods]
+        for kind in ("param_grad", "param"):
+            keys += [TensorKey(f"{step}/-/m{p}.weight/{kind}", kind, f"m{p}.weight", 2**-24, 50 * (p + 1))
+                     for p in range(4)]
+    return keys
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_shares_keep_each_parameter_path_whole_in_execution_order_and_balanced(n):
+    keys = _keys()
+    shares = partition(keys, n)
+    index = {k.name: i for i, k in enumerate(keys)}
+    assert len(shares) == n and all(shares)
+    assert sorted(index[k.name] for s in shares for k in s) == list(range(len(keys)))   # each key once
+    for s in shares:
+        assert [index[k.name] for k in s] == sorted(index[k.name] for k in s)   # execution order
+    owner = {}
+    for i, s in enumerate(shares):
+        for k in s:
+            if k.kind in ("param_grad", "param"):
+                assert owner.setdefault(k.path, i) == i, k   # a parameter's chain in one share
+    share_of = {k.name: i for i, s in enumerate(shares) for k in s}
+    acts = [k for k in keys if k.kind not in ("param_grad", "param")]
+    assert [share_of[k.name] for k in acts] == sorted(share_of[k.name] for k in acts)   # contiguous runs
+    paths = list(dict.fromkeys(k.path for k in keys if k.kind in ("param_grad", "param")))
+    assert [owner[p] for p in paths] == sorted(owner[p] for p in paths)
+    units = [k.numel for k in acts] + [sum(k.numel for k in keys if k.path == p and k.kind != "output"
+                                           and k.kind != "grad_output") for p in paths]
+    total, biggest = sum(units), max(units)
+    for s in shares:   # each share within one unit (an activation, a parameter's path) of an equal share
+        assert abs(sum(k.numel for k in s) - total / n) <= biggest, ([len(x) for x in shares], total / n)
+    with pytest.raises(ValueError):
+        partition(keys, 0)
+
+
+def _in_shares(root, cand, n):
+    """tracer.compare's measurer: `n` shares, each measured by `measure_share` from the store (as a
+    worker would) and sent back as `Measured.to_json` (what a Ray task returns)."""
+    at = lambda run, size=1: RunAt(str(root), run, size)
+
+    def measurer(keys):
+        return merge(Measured.from_json(json.loads(json.dumps(
+            measure_share(at("reference"), at(cand, 2), [at("perturbed-0")], share, K_ELEM).to_json())))
+            for share in partition(keys, n))
+    return measurer
+
+
+def _lazy(root, cand):
+    return (load_logical(str(root), "reference", 1, lazy=True), load_logical(str(root), cand, 2, lazy=True),
+            [load_logical(str(root), "perturbed-0", 1, lazy=True)])
+
+
+def test_a_comparison_measured_in_shares_has_the_verdicts_and_figures_of_one_walk(tmp_path):
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, flush_bytes=1, **kw)   # one part per tensor
+    policy = TolerancePolicy()
+    for cand in ("candidate", "buggy"):
+        whole = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy)
+        split = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy,
+                        measurer=_in_shares(tmp_path, cand, 3))
+        a, b = whole.to_json(), split.to_json()
+        assert a["verdict"] == b["verdict"] and a["first_divergence"] == b["first_divergence"]
+        assert len(a["tensors"]) == len(b["tensors"]) == 8
+        for x, y in zip(a["tensors"], b["tensors"], strict=True):
+            assert x.keys() == y.keys()
+            for f, v in x.items():   # every figure and tolerance, to a float64 rounding; the rest equal
+                if isinstance(v, float) and math.isfinite(v):
+                    assert math.isclose(v, y[f], rel_tol=1e-12), (x["name"], f, v, y[f])
+                else:
+                    assert v == y[f] or (v != v and y[f] != y[f]), (x["name"], f, v, y[f])
+    assert whole.verdict == "fail" and whole.first_divergence.name == "0/0/fc/output"
+    clean = compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], policy,
+                    measurer=_in_shares(tmp_path, "candidate", 2))
+    assert clean.verdict == "pass", [r.reason for r in clean.results if not r.ok]
+
+
+def test_a_share_reads_only_the_parts_holding_its_tensors(tmp_path, monkeypatch):
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, flush_bytes=1, **kw)   # one part per tensor
+    read = []
+    load_part = tracer.store.RankTrace.load_part
+
+    def counted(self, info):
+        read.append((self.run, self.rank, info["file"]))
+        return load_part(self, info)
+    monkeypatch.setattr(tracer.store.RankTrace, "load_part", counted)
+    from tracer.compare_inputs import tensor_keys
+    keys = tensor_keys(load_logical(str(tmp_path), "reference", 1, lazy=True))
+    first = partition(keys, 2)[0]
+    at = lambda run, size=1: RunAt(str(tmp_path), run, size)
+    got = measure_share(at("reference"), at("candidate", 2), [at("perturbed-0")], first, K_ELEM)
+    assert set(got.stats) == {k.name for k in first} and set(got.replicas) == set(got.stats)
+    runs = {r: load_logical(str(tmp_path), r, n, lazy=True) for r, n in
+            (("reference", 1), ("candidate", 2), ("perturbed-0", 1))}
+    parts = lambda names: {(r, rt.rank, e["file"]) for r, t in runs.items() for n in names
+                           for rt, e in t.tensors.pieces(n)}
+    needed = parts([k.name for k in first])
+    assert sorted(read) == sorted(needed)   # each needed part once, no other
+    assert len(needed) < len(parts(runs["reference"].order))
+
+
+def test_figures_missing_from_the_shares_are_an_error_not_a_verdict_on_the_rest(tmp_path):
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, **kw)
+    whole = _in_shares(tmp_path, "candidate", 2)
+    fields = ("stats", "replicas", "mismatch")
+    lost_one = lambda keys: Measured(**{f: {n: v for n, v in getattr(whole(keys), f).items()
+                                            if n != keys[-1].name} for f in fields})
+    with pytest.raises(TraceError, match="returned no figures for 1 of"):
+        compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], TolerancePolicy(),
+                measurer=lost_one)
+
+
+def test_shares_measured_by_ray_tasks_judge_as_one_walk_and_a_corrupt_part_is_their_error(ray_cluster,
+                                                                                           tmp_path):
+    """orchestrator/compare_tasks.py: each share a Ray task reading the store itself (as on another
+    node), its figures sent back; a share's error is the check's, as one walk would raise it."""
+    from orchestrator.compare_tasks import measurer
+
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, flush_bytes=1, **kw)
+    policy = TolerancePolicy()
+    at = lambda run, size=1: RunAt(str(tmp_path), run, size)
+    tasks = lambda cand: measurer({}, at("reference"), at(cand, 2), [at("perturbed-0")], 2, policy.k_elem)
+    for cand in ("candidate", "buggy"):
+        whole = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy).to_json()
+        split = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy,
+                        measurer=tasks(cand)).to_json()
+        oks = lambda report: [(t["name"], t["ok"]) for t in report["tensors"]]
+        assert oks(split) == oks(whole)
+        assert split["first_divergence"] == whole["first_divergence"]
+        assert split["verdict"] == ("pass" if cand == "candidate" else "fail"), split["first_divergence"]
+    part = sorted((tmp_path / "candidate" / "rank00001").glob("part-*.safetensors"))[-1]
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=f"checksum.*{part.name}|{part.name}.*checksum"):
+        compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], policy,
+                measurer=tasks("candidate"))
