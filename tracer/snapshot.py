@@ -138,6 +138,8 @@ _memmove = ctypes.PyDLL(None).memmove
 _memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _memmove.restype = ctypes.c_void_p
 
+_OWN_BYTES = (torch.Tensor, torch.nn.Parameter)   # types whose values lie at data_ptr() (not a subclass
+                                                   # wrapping others, as DTensor does)
 _STRIDES: dict[torch.Size, tuple[int, ...]] = {}   # contiguous strides per shape (shapes repeat every step)
 
 
@@ -163,12 +165,12 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
     if off + nbytes > part.capacity:
         return False
     shape = tensor.shape
-    if (nbytes and type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous()
+    if (nbytes and type(tensor) in _OWN_BYTES and tensor.is_cpu and tensor.is_contiguous()
             and not (tensor.is_neg() or tensor.is_conj())):
         # The per-call cost of `as_strided` + `copy_` dominates for the ~25 KB tensors a small model
         # traces: gpt_tiny's snapshots took 9 ms of a step that way, 5 ms as memmoves. Plain tensors
         # only: a subclass (DTensor) has no bytes of its own at data_ptr(); lazy negation or
-        # conjugation, no bytes that are its values.
+        # conjugation, no bytes that are its values. A Parameter is a plain tensor with its own bytes.
         _memmove(part.base + off, tensor.data_ptr(), nbytes)
     elif nbytes:
         tensor = tensor.detach()   # the copy is not part of the graph (a memmove never is)
