@@ -114,16 +114,13 @@ def _plan(rec: dict[str, Any], output_dir: Path, base_dir: str) -> PlannedCheck:
 def _measurer(p: PlannedCheck, rs: ReferenceSet, policy: TolerancePolicy) -> Any:
     """The measurement in Ray tasks when `cluster.compare_workers` > 1 (orchestrator/compare_tasks.py),
     else None: in this process, with the reference side read ahead (orchestrator/prefetch.py)."""
-    workers = int(p.rec["cluster"].get("compare_workers") or 1)
-    if workers <= 1:
-        return None
     assert p.candidate is not None
-    p.report["compare_workers"] = workers
     at = lambda run: RunAt(rs.url, run, rs.world_size)
-    return compare_tasks.measurer(storage.options(p.rec["store"]), at(rs.runs[0]),
-                                  RunAt(p.store_url, "candidate", p.candidate.world_size),
-                                  [at(r) for r in rs.runs[1:]], workers, policy.k_elem,
-                                  int(p.rec["cluster"].get("compare_cpus") or 1))
+    shared = compare_tasks.from_recipe(p.rec, at(rs.runs[0]), RunAt(p.store_url, "candidate",
+                                       p.candidate.world_size), [at(r) for r in rs.runs[1:]], policy.k_elem)
+    if shared is not None:
+        p.report["compare_workers"] = int(p.rec["cluster"]["compare_workers"])
+    return shared
 
 
 def _judge(p: PlannedCheck, prefetch: ReferencePrefetch) -> None:

@@ -23,9 +23,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from orchestrator import storage
+from orchestrator import compare_tasks, storage
 from orchestrator.outcome import CheckResult, PlannedCheck, finish
 from tracer.compare import compare
+from tracer.compare_shares import RunAt
 from tracer.errors import TTraceError
 from tracer.isolation import name_culprit
 from tracer.logical import load_logical
@@ -123,7 +124,13 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
                                  "runs": {"reference": reference, "perturbed": perturbed,
                                           "candidate": candidate, "isolated": isolated}}
         policy = TolerancePolicy.from_config(rec["tolerance"])
-        p.comparison = compare(ref, cand, pert, policy)
+        at = lambda run, trace: RunAt(root, run, trace.world_size)
+        shared = compare_tasks.from_recipe(rec, at(reference, ref), at(candidate, cand),
+                                           [at(r, t) for r, t in zip(perturbed, pert, strict=True)],
+                                           policy.k_elem)
+        if shared is not None:   # cluster.compare_workers > 1: the measurement in Ray tasks
+            p.report["compare_workers"] = int(rec["cluster"]["compare_workers"])
+        p.comparison = compare(ref, cand, pert, policy, measurer=shared)
         p.report["timings"]["compare"] = time.perf_counter() - t0
         p.report.update(p.comparison.to_json())
         _local_verdict(p, root, reference, isolated)

@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from orchestrator import cluster, storage
 from tracer.compare_shares import Measured, RunAt, measure_share, merge, partition
 from tracer.errors import TraceError, TTraceError
 from tracer.measure import TensorKey
@@ -60,3 +61,15 @@ def measurer(store_opts: dict[str, Any], reference: RunAt, candidate: RunAt, per
         return merge(got)
 
     return run
+
+
+def from_recipe(rec: dict[str, Any], reference: RunAt, candidate: RunAt, perturbed: Sequence[RunAt],
+                k_elem: float) -> Callable[[Sequence[TensorKey]], Measured] | None:
+    """The recipe's measurer: in `cluster.compare_workers` Ray tasks (Ray started or joined as
+    `cluster` says) when that is > 1; None (the caller's own process) otherwise."""
+    workers = int(rec["cluster"].get("compare_workers") or 1)
+    if workers <= 1:
+        return None
+    cluster.ensure_ray(rec["cluster"])
+    return measurer(storage.options(rec["store"]), reference, candidate, perturbed, workers, k_elem,
+                    int(rec["cluster"].get("compare_cpus") or 1))

@@ -258,7 +258,8 @@ def _losses(proc: subprocess.Popen) -> str:
     return "\n".join(ln for ln in out.splitlines() if ln.startswith("step "))
 
 
-def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp_path, monkeypatch, capsys):
+def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp_path, monkeypatch, capsys,
+                                                                   ray_cluster):
     """The path of a GPU cluster that never saw Ray: the same script launched by torchrun in each role
     (TTRACE_* variables), then `ttrace compare STORE`. Untraced, the script trains unchanged: the
     candidate's losses are bit-identical to a plain run's."""
@@ -292,6 +293,13 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
 
     code, report, out = judged("--candidate", "candidate-bug")
     assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
+    # The same judgement measured in 2 Ray tasks (cluster.compare_workers; here on the test session's
+    # Ray, as on a cluster `ttrace compare STORE cluster.address=auto` joins): the same first divergence.
+    code, split, out = judged("--candidate", "candidate-bug", "cluster.compare_workers=2")
+    assert code == 1 and split["compare_workers"] == 2, out
+    assert split["first_divergence"] == report["first_divergence"]
+    oks = lambda r: [(t["name"], t["ok"]) for t in r["tensors"]]
+    assert oks(split) == oks(report) and len(oks(report)) > 10
     code, _, out = judged("--perturbed", "reference,perturbed-1")
     assert code == 2 and "bit-identical to reference" in out, out
     # The local verdict asked for on stored runs without an isolated run: an error, never a pass.
