@@ -24,7 +24,6 @@ from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import ReferenceSet, commit, share_references
 from orchestrator.report import tracking
 from tracer.compare import compare
-from tracer.compare_shares import RunAt
 from tracer.errors import TTraceError
 from tracer.heap import gc_frozen
 from tracer.logical import load_logical
@@ -115,9 +114,8 @@ def _measurer(p: PlannedCheck, rs: ReferenceSet, policy: TolerancePolicy) -> Any
     """The measurement in Ray tasks when `cluster.compare_workers` > 1 (orchestrator/compare_tasks.py),
     else None: in this process, with the reference side read ahead (orchestrator/prefetch.py)."""
     assert p.candidate is not None
-    at = lambda run: RunAt(rs.url, run, rs.world_size)
-    shared = compare_tasks.from_recipe(p.rec, at(rs.runs[0]), RunAt(p.store_url, "candidate",
-                                       p.candidate.world_size), [at(r) for r in rs.runs[1:]], policy.k_elem)
+    shared = compare_tasks.against_references(p.rec, rs, p.store_url, "candidate", p.candidate.world_size,
+                                              policy.k_elem)
     if shared is not None:
         p.report["compare_workers"] = int(p.rec["cluster"]["compare_workers"])
     return shared

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from orchestrator import cluster, storage
+from orchestrator.refcache import ReferenceSet
 from tracer.compare_shares import Measured, RunAt, measure_share, merge, partition
 from tracer.errors import TraceError, TTraceError
 from tracer.measure import TensorKey
@@ -73,3 +74,12 @@ def from_recipe(rec: dict[str, Any], reference: RunAt, candidate: RunAt, perturb
     cluster.ensure_ray(rec["cluster"])
     return measurer(storage.options(rec["store"]), reference, candidate, perturbed, workers, k_elem,
                     int(rec["cluster"].get("compare_cpus") or 1))
+
+
+def against_references(rec: dict[str, Any], rs: ReferenceSet, store_url: str, run: str, world_size: int,
+                       k_elem: float) -> Callable[[Sequence[TensorKey]], Measured] | None:
+    """`from_recipe` for a check's run (its candidate, its isolation pass's run) against its
+    reference set."""
+    at = lambda name: RunAt(rs.url, name, rs.world_size)
+    return from_recipe(rec, at(rs.runs[0]), RunAt(store_url, run, world_size), [at(r) for r in rs.runs[1:]],
+                       k_elem)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from orchestrator import cluster, recipe, routing
+from orchestrator import cluster, compare_tasks, recipe, routing
 from orchestrator.outcome import PlannedCheck, keep_logs
 from orchestrator.progress import JobProgress
 from orchestrator.rank_logs import log_dir
@@ -96,7 +96,10 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
             isolated = load_logical(p.store_url, "isolated", job.world_size, lazy=True)
             reference, perturbed = p.loaded
             policy = TolerancePolicy.from_config(p.rec["tolerance"])
-            local = compare(reference, isolated, perturbed, policy)
+            assert p.refs is not None   # cluster.compare_workers > 1: measured in Ray tasks
+            shared = compare_tasks.against_references(p.rec, p.refs, p.store_url, "isolated", job.world_size,
+                                                      policy.k_elem)
+            local = compare(reference, isolated, perturbed, policy, measurer=shared)
             if judges_locally(p):
                 judge_locally(p, reference, isolated)
             if p.comparison.verdict == "fail":
@@ -106,6 +109,8 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
                                      "compare_s": time.perf_counter() - t1,
                                      "local": {r.name: [r.rel_err, r.elem_err] for r in local.results
                                                if not r.ok}}
+            if shared is not None:
+                p.report["isolation"]["compare_workers"] = p.report["compare_workers"]
         except TTraceError as e:
             p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
             _unjudged(p, str(e))

@@ -79,7 +79,7 @@ BESIDE = {
     "stats_bug": [*STATS, "bug=sp_layernorm_grad_unreduced"],
     # the comparison measured in two Ray tasks (orchestrator/compare_tasks.py)
     **{f"shares_{bug}": ["parallel=tp2", f"bug={bug}", "cluster.compare_workers=2",
-                         "tolerance.perturbations=2", "tracking.enabled=false", "localize=false"]
+                         "tolerance.perturbations=2", "tracking.enabled=false"]
        for bug in ("none", "row_parallel_bias_per_rank")},
 }
 
@@ -121,6 +121,11 @@ def test_a_check_measured_in_ray_tasks_passes_clean_and_names_a_bug(batch):
     assert buggy.verdict == "fail", buggy.message
     fd = buggy.report["first_divergence"]      # the per-rank bias shows at (or right after) attn.proj
     assert fd["module"].endswith(".attn.proj"), fd
+    # The isolation pass's comparison in Ray tasks too: it names the module whose own code is wrong.
+    culprit = buggy.report["culprit"]
+    assert buggy.report["isolation"]["compare_workers"] == 2
+    assert culprit["resolved"] and culprit["module"].endswith(".attn.proj"), culprit
+    assert "culprit" not in clean.report
 
 
 def test_a_nan_produced_by_the_candidate_fails_the_check(batch):
