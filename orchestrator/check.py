@@ -43,7 +43,9 @@ def run_checks(items: list[tuple[dict[str, Any], Path]], base_dir: str, *, progr
     live = [p for p in plans if p.error is None]
     refsets = share_references(live, base_dir)
     # Every set read while the candidates run: cache hits (not in refsets, nothing to compute) now.
-    prefetch = ReferencePrefetch(list({id(p.refs): p.refs for p in live if p.refs is not None}.values()))
+    # A set read ahead serves checks measured here; shares in Ray tasks read it themselves.
+    ahead = [p.refs for p in live if p.refs is not None and compare_tasks.workers_of(p.rec) <= 1]
+    prefetch = ReferencePrefetch(list({id(rs): rs for rs in ahead}.values()))
     prefetch.poll()
     routing.order_jobs(live)
     jobs = [j for rs in refsets for j in rs.jobs] + [p.candidate for p in live if p.candidate]
@@ -117,7 +119,7 @@ def _measurer(p: PlannedCheck, rs: ReferenceSet, policy: TolerancePolicy) -> Any
     shared = compare_tasks.against_references(p.rec, rs, p.store_url, "candidate", p.candidate.world_size,
                                               policy.k_elem)
     if shared is not None:
-        p.report["compare_workers"] = int(p.rec["cluster"]["compare_workers"])
+        p.report["compare_workers"] = compare_tasks.workers_of(p.rec)
     return shared
 
 

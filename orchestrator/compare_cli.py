@@ -129,7 +129,7 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
                                            [at(r, t) for r, t in zip(perturbed, pert, strict=True)],
                                            policy.k_elem)
         if shared is not None:   # cluster.compare_workers > 1: the measurement in Ray tasks
-            p.report["compare_workers"] = int(rec["cluster"]["compare_workers"])
+            p.report["compare_workers"] = compare_tasks.workers_of(rec)
         p.comparison = compare(ref, cand, pert, policy, measurer=shared)
         p.report["timings"]["compare"] = time.perf_counter() - t0
         p.report.update(p.comparison.to_json())

@@ -21,7 +21,7 @@ import ray
 from orchestrator import cluster, storage
 from orchestrator.refcache import ReferenceSet
 from tracer.compare_shares import Measured, RunAt, measure_share, merge, partition
-from tracer.errors import TraceError, TTraceError
+from tracer.errors import ConfigError, TraceError, TTraceError
 from tracer.measure import TensorKey
 from tracer.store import configure
 
@@ -64,16 +64,25 @@ def measurer(store_opts: dict[str, Any], reference: RunAt, candidate: RunAt, per
     return run
 
 
+def workers_of(rec: dict[str, Any]) -> int:
+    """`cluster.compare_workers`: the Ray tasks a check's measurement runs in (1: its own process)."""
+    return int(rec["cluster"].get("compare_workers") or 1)
+
+
 def from_recipe(rec: dict[str, Any], reference: RunAt, candidate: RunAt, perturbed: Sequence[RunAt],
                 k_elem: float) -> Callable[[Sequence[TensorKey]], Measured] | None:
     """The recipe's measurer: in `cluster.compare_workers` Ray tasks (Ray started or joined as
     `cluster` says) when that is > 1; None (the caller's own process) otherwise."""
-    workers = int(rec["cluster"].get("compare_workers") or 1)
+    workers = workers_of(rec)
     if workers <= 1:
         return None
+    cpus = int(rec["cluster"].get("compare_cpus") or 1)
     cluster.ensure_ray(rec["cluster"])
-    return measurer(storage.options(rec["store"]), reference, candidate, perturbed, workers, k_elem,
-                    int(rec["cluster"].get("compare_cpus") or 1))
+    biggest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    if not 1 <= cpus <= biggest:   # a task no node can hold would wait forever
+        raise ConfigError(f"cluster.compare_cpus={cpus}: each comparison task needs 1 to {biggest:g} CPUs "
+                          "(the largest node of the Ray cluster); set it within that")
+    return measurer(storage.options(rec["store"]), reference, candidate, perturbed, workers, k_elem, cpus)
 
 
 def against_references(rec: dict[str, Any], rs: ReferenceSet, store_url: str, run: str, world_size: int,

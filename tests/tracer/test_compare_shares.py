@@ -166,3 +166,16 @@ def test_shares_measured_by_ray_tasks_judge_as_one_walk_and_a_corrupt_part_is_th
     with pytest.raises(TraceError, match=f"checksum.*{part.name}|{part.name}.*checksum"):
         compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], policy,
                 measurer=tasks("candidate"))
+
+
+@pytest.mark.parametrize("cpus", [-1, 10**6])
+def test_a_task_size_no_node_can_hold_is_a_recipe_error_not_a_wait(ray_cluster, tmp_path, cpus):
+    from orchestrator.compare_tasks import from_recipe
+    from orchestrator.recipe import compose
+    from tracer.errors import ConfigError
+
+    rec = compose(["cluster.compare_workers=2", f"cluster.compare_cpus={cpus}"])
+    at = RunAt(str(tmp_path), "reference", 1)
+    with pytest.raises(ConfigError, match="cluster.compare_cpus"):
+        from_recipe(rec, at, at, [at], K_ELEM)
+    assert from_recipe(compose([]), at, at, [at], K_ELEM) is None   # compare_workers=1: this process
