@@ -61,19 +61,19 @@ class _Subset(Mapping[str, Assembled]):
     """A run's tensors restricted to some names (read lazily as the run's own mapping does)."""
 
     def __init__(self, tensors: Mapping[str, Assembled], names: set[str]):
-        self._tensors, self._names = tensors, names
+        self.stored, self._names = tensors, names   # `stored`: what a walk restricts (compare_shares)
 
     def __getitem__(self, name: str) -> Assembled:
         if name not in self._names:
             raise KeyError(name)
-        return self._tensors[name]
+        return self.stored[name]
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
 
     def pieces(self, name: str) -> Any:
         """The ranks' entries of a tensor (tracer.logical.StoredTensors.pieces; stats mode)."""
-        return self._tensors.pieces(name)  # type: ignore[attr-defined]
+        return self.stored.pieces(name)  # type: ignore[attr-defined]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -143,7 +143,8 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     keys = tensor_keys(reference)
     if measurer is None:
-        got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared)
+        # A walk of some tensors only (per step) reads and holds only their parts, none after it.
+        got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared, only=per_step_only)
     else:
         got = measurer(keys)
         lost = [k.name for k in keys if k.name not in got.stats or k.name not in got.replicas]

@@ -72,14 +72,26 @@ class RunAt:
 
 def measure_keys(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
                  keys: Sequence[TensorKey], k_elem: float,
-                 prepared: Mapping[str, ReferenceSide] | None = None, workers: int | None = None) -> Measured:
+                 prepared: Mapping[str, ReferenceSide] | None = None, workers: int | None = None,
+                 only: bool = False) -> Measured:
     """Figures of `keys` (in execution order), the runs read as the measurement walks them: what the
-    single comparison does for all keys and a share's worker for its own (`measure_share`)."""
+    single comparison does for all keys and a share's worker for its own (`measure_share`). `only`:
+    `keys` are some of the runs' tensors: each lazily read run reads and holds only the parts that hold
+    them (StoredTensors.restrict), and none once measured."""
     got = Measured()
     arriving = ShapeCheckedReads(candidate, reference, got.replicas)
-    got.stats = measure(keys, ShapeCheckedReads(reference, reference), arriving,
-                        [ShapeCheckedReads(p, reference) for p in perturbed], k_elem, prepared=prepared,
-                        workers=workers)
+    stored = [s for t in (reference, candidate, *perturbed)
+              if isinstance(s := getattr(t.tensors, "stored", t.tensors), StoredTensors)] if only else []
+    for s in stored:
+        s.restrict([k.name for k in keys])
+    try:
+        got.stats = measure(keys, ShapeCheckedReads(reference, reference), arriving,
+                            [ShapeCheckedReads(p, reference) for p in perturbed], k_elem, prepared=prepared,
+                            workers=workers)
+    finally:
+        for s in stored:   # as before the walk (a run may be shared: a reference set read lazily)
+            s.restrict(None)
+            s.release()
     got.mismatch = arriving.mismatch
     return got
 
@@ -88,13 +100,9 @@ def measure_share(reference: RunAt, candidate: RunAt, perturbed: Sequence[RunAt]
                   k_elem: float, workers: int | None = None) -> Measured:
     """A share's figures on a worker: its own lazily read runs, restricted to the share's tensors (a
     part is read only if it holds one of them and dropped once those are measured)."""
-    names = [k.name for k in keys]
     runs = [load_logical(r.root, r.run, r.world_size, lazy=True) for r in (reference, candidate, *perturbed)]
-    for trace in runs:
-        if isinstance(trace.tensors, StoredTensors):
-            trace.tensors.restrict(names)
     ref, cand, *pert = runs
-    return measure_keys(ref, cand, pert, keys, k_elem, workers=workers)
+    return measure_keys(ref, cand, pert, keys, k_elem, workers=workers, only=True)
 
 
 def merge(parts: Iterable[Measured]) -> Measured:

@@ -205,9 +205,12 @@ class StoredTensors(Mapping[str, Assembled]):
             self._consumed(part, n)
         return out
 
-    def restrict(self, names: Sequence[str]) -> None:
-        """The walk looks up `names` only (a comparison's share, tracer/compare_shares.py): a part is
-        read (and read ahead) only if it holds one of them, and dropped once those are assembled."""
+    def restrict(self, names: Sequence[str] | None) -> None:
+        """The walk looks up `names` only (None: every tensor again; `release` first): a part is read
+        (and read ahead) only if it holds one of them, and dropped once those are assembled."""
+        if names is None:
+            self._wanted = None
+            return
         wanted: dict[tuple[int, str], int] = {}
         for name in names:
             for rt, e in self._pieces[name]:

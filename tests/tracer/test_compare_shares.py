@@ -179,3 +179,18 @@ def test_a_task_size_no_node_can_hold_is_a_recipe_error_not_a_wait(ray_cluster, 
     with pytest.raises(ConfigError, match="cluster.compare_cpus"):
         from_recipe(rec, at, at, [at], K_ELEM)
     assert from_recipe(compose([]), at, at, [at], K_ELEM) is None   # compare_workers=1: this process
+
+
+def test_a_walk_of_the_per_step_tensors_holds_no_part_once_done(tmp_path):
+    """compare(per_step_only=True) (runs that cut the batch into different microbatches) walks the
+    param_grad and param records only: a part that also holds activations was never dropped (its
+    activations are not looked up) and stayed in memory to the end of the check."""
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, **kw)   # one part per rank: activations and parameters together
+    ref, cand, pert = _lazy(tmp_path, "buggy")
+    res = compare(ref, cand, pert, TolerancePolicy(), per_step_only=True)
+    per_step = [n for n in ref.order if ref.info[n].get("microbatch") is None]
+    assert [r.name for r in res.results] == per_step and res.verdict == "fail"
+    assert all(not t.tensors._parts for t in (ref, cand, *pert))
+    full = compare(*_lazy(tmp_path, "buggy")[:2], _lazy(tmp_path, "buggy")[2], TolerancePolicy())
+    assert {r.name: r.ok for r in full.results if r.name in per_step} == {r.name: r.ok for r in res.results}
