@@ -710,7 +710,9 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"compare.throughput_ratio_to_raw_read {size}: before ({commit}) {v['before']:.3f}, "
                          f"after {v['after']:.3f}" + (f" (goal >= {goal})" if goal else "")
                          + ("  MISSED" if f"compare {size}" in r["compare"]["missed"] else ""))
-    if "compare_shares" in r:
+    if "error" in r.get("compare_shares", {}):
+        lines += ["", f"comparison in Ray tasks: not measured ({r['compare_shares']['error'][:200]})"]
+    elif "compare_shares" in r:
         c = r["compare_shares"]
         lines += ["", f"comparison in Ray tasks of {c['task_cpus']} CPU on this {c['cpus']}-core machine "
                   f"({c['store']}, {c['parts_bytes'] / 1e6:.0f} MB of parts; median of {c['rounds']} rounds)"]
@@ -827,7 +829,10 @@ def main() -> None:
             result["measured"]["compare"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only or args.only_compare_shares:
-            result["compare_shares"] = compare_shares(tmp)
+            try:   # a diagnostic: Ray failing to start here must not lose the other figures
+                result["compare_shares"] = compare_shares(tmp)
+            except Exception as e:
+                result["compare_shares"] = {"error": f"{type(e).__name__}: {e}"}
             result["measured"]["compare_shares"] = stamp
             OUT.write_text(json.dumps(result, indent=1, default=str))
         if not only or args.only_check_latency:
