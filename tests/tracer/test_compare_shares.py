@@ -84,8 +84,8 @@ def test_a_comparison_measured_in_shares_has_the_verdicts_and_figures_of_one_wal
         write_run(tmp_path, run, flush_bytes=1, **kw)   # one part per tensor
     policy = TolerancePolicy()
     for cand in ("candidate", "buggy"):
-        whole = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy)
-        split = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy,
+        whole = compare(*_lazy(tmp_path, cand), policy)
+        split = compare(*_lazy(tmp_path, cand), policy,
                         measurer=_in_shares(tmp_path, cand, 3))
         a, b = whole.to_json(), split.to_json()
         assert a["verdict"] == b["verdict"] and a["first_divergence"] == b["first_divergence"]
@@ -98,7 +98,7 @@ def test_a_comparison_measured_in_shares_has_the_verdicts_and_figures_of_one_wal
                 else:
                     assert v == y[f] or (v != v and y[f] != y[f]), (x["name"], f, v, y[f])
     assert whole.verdict == "fail" and whole.first_divergence.name == "0/0/fc/output"
-    clean = compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], policy,
+    clean = compare(*_lazy(tmp_path, "candidate"), policy,
                     measurer=_in_shares(tmp_path, "candidate", 2))
     assert clean.verdict == "pass", [r.reason for r in clean.results if not r.ok]
 
@@ -136,7 +136,7 @@ def test_figures_missing_from_the_shares_are_an_error_not_a_verdict_on_the_rest(
     lost_one = lambda keys: Measured(**{f: {n: v for n, v in getattr(whole(keys), f).items()
                                             if n != keys[-1].name} for f in fields})
     with pytest.raises(TraceError, match="returned no figures for 1 of"):
-        compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], TolerancePolicy(),
+        compare(*_lazy(tmp_path, "candidate"), TolerancePolicy(),
                 measurer=lost_one)
 
 
@@ -152,8 +152,8 @@ def test_shares_measured_by_ray_tasks_judge_as_one_walk_and_a_corrupt_part_is_th
     at = lambda run, size=1: RunAt(str(tmp_path), run, size)
     tasks = lambda cand: measurer({}, at("reference"), at(cand, 2), [at("perturbed-0")], 2, policy.k_elem)
     for cand in ("candidate", "buggy"):
-        whole = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy).to_json()
-        split = compare(*_lazy(tmp_path, cand)[:2], _lazy(tmp_path, cand)[2], policy,
+        whole = compare(*_lazy(tmp_path, cand), policy).to_json()
+        split = compare(*_lazy(tmp_path, cand), policy,
                         measurer=tasks(cand)).to_json()
         oks = lambda report: [(t["name"], t["ok"]) for t in report["tensors"]]
         assert oks(split) == oks(whole)
@@ -164,7 +164,7 @@ def test_shares_measured_by_ray_tasks_judge_as_one_walk_and_a_corrupt_part_is_th
     data[-1] ^= 0xFF
     part.write_bytes(bytes(data))
     with pytest.raises(TraceError, match=f"checksum.*{part.name}|{part.name}.*checksum"):
-        compare(*_lazy(tmp_path, "candidate")[:2], _lazy(tmp_path, "candidate")[2], policy,
+        compare(*_lazy(tmp_path, "candidate"), policy,
                 measurer=tasks("candidate"))
 
 
@@ -192,5 +192,5 @@ def test_a_walk_of_the_per_step_tensors_holds_no_part_once_done(tmp_path):
     per_step = [n for n in ref.order if ref.info[n].get("microbatch") is None]
     assert [r.name for r in res.results] == per_step and res.verdict == "fail"
     assert all(not t.tensors._parts for t in (ref, cand, *pert))
-    full = compare(*_lazy(tmp_path, "buggy")[:2], _lazy(tmp_path, "buggy")[2], TolerancePolicy())
+    full = compare(*_lazy(tmp_path, "buggy"), TolerancePolicy())
     assert {r.name: r.ok for r in full.results if r.name in per_step} == {r.name: r.ok for r in res.results}
