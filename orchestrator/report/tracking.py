@@ -134,7 +134,7 @@ def _sqlite_lock(uri: str) -> Iterator[None]:
     """Serialize, across processes, the first use of a local sqlite MLflow database: two sweeps
     that create a fresh database at once race on its schema ("table experiments already exists",
     "duplicate column name: step") and on the experiment, and one of them loses its MLflow runs
-    (found by tests/test_faults.py). The lock is a file next to the database."""
+    (tests/orchestrator/test_tracking.py). The lock is a file next to the database."""
     prefix = "sqlite:///"
     if not uri.startswith(prefix):
         yield

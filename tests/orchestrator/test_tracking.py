@@ -3,6 +3,8 @@ and ended KILLED if the checks stop before their verdicts."""
 
 import contextlib
 import json
+import subprocess
+import sys
 
 from orchestrator.recipe import compose
 from orchestrator.report import tracking
@@ -74,3 +76,33 @@ def test_a_run_left_running_by_a_driver_that_is_gone_is_ended_by_the_next_check(
     assert dead.info.status == "KILLED" and "was gone" in dead.data.tags["ttrace.ended"]
     assert [client.get_run(ids[c]).info.status for c in ("live", "elsewhere")] == ["RUNNING", "RUNNING"]
     assert client.get_run(new).info.status == "RUNNING"
+
+
+# Each process imports MLflow, says it is ready, waits for the others, then creates the database: the
+# three first calls start within a millisecond (a barrier, not a start time guessed to follow the
+# slowest import on a loaded machine).
+_FIRST_LOG = """
+import os, sys, time
+from orchestrator.report import tracking
+import mlflow  # noqa: F401 - imported before the barrier, so all processes connect together
+base = sys.argv[1]
+open(os.path.join(base, f"ready-{os.getpid()}"), "w").close()
+deadline = time.monotonic() + 120
+ready = lambda: sum(f.startswith("ready-") for f in os.listdir(base))
+while ready() < int(sys.argv[2]) and time.monotonic() < deadline:
+    time.sleep(0.001)
+client, exp = tracking._client({"uri": "sqlite:///mlflow.db", "experiment": "ttrace"}, base)
+print(exp)
+"""
+
+
+def test_processes_creating_one_mlflow_database_at_once_all_log(tmp_path):
+    """Three checks' first MLflow calls on a fresh sqlite database at the same moment: without the
+    lock in orchestrator.report.tracking, their schema migrations collide ("table experiments already
+    exists", "duplicate column name: step") and the losers' runs are lost (seen in the two-sweeps
+    test). All must succeed, in one experiment."""
+    procs = [subprocess.Popen([sys.executable, "-c", _FIRST_LOG, str(tmp_path), "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
