@@ -135,12 +135,18 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
         p.report.update(p.comparison.to_json())
         _local_verdict(p, root, reference, isolated)
         if isolated and p.comparison.verdict == "fail":
-            try:
-                local = compare(load_logical(root, reference, world_size_of(root, reference), lazy=True),
-                                load_logical(root, isolated, world_size_of(root, isolated), lazy=True),
-                                [load_logical(root, r, world_size_of(root, r), lazy=True) for r in perturbed],
-                                policy)
+            try:   # measured where the candidate was (cluster.compare_workers), against the same runs
+                iso = load_logical(root, isolated, world_size_of(root, isolated), lazy=True)
+                shared = compare_tasks.from_recipe(rec, at(reference, ref), at(isolated, iso),
+                                                   [at(r, t) for r, t in zip(perturbed, pert, strict=True)],
+                                                   policy.k_elem)
+                t1 = time.perf_counter()
+                local = compare(ref, iso, pert, policy, measurer=shared)
                 p.report.update(name_culprit(p.comparison, local))
+                p.report["isolation"] = {"run": isolated, "flagged": sum(not r.ok for r in local.results),
+                                         "compare_s": time.perf_counter() - t1}
+                if shared is not None:
+                    p.report["isolation"]["compare_workers"] = compare_tasks.workers_of(rec)
             except TTraceError as e:
                 p.report["localization_error"] = (f"isolation run '{isolated}' not usable (the verdict "
                                                    f"stands): {e}")

@@ -276,8 +276,14 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
                 _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate", "TTRACE_RUN": "candidate-bug"},
                           "--bug", "skip_1d_allreduce"),
                 _torchrun(user_repo, 2, {**t, "TTRACE_ROLE": "candidate"})]
-    losses = [_losses(p) for p in launches]
+    losses = [_losses(launches[0])]
+    # The buggy candidate's isolation pass feeds on the reference's tensors: launched once it is stored.
+    iso = {**t, "TTRACE_ROLE": "isolated", "TTRACE_RUN": "isolated-bug",
+           "TTRACE_REFERENCE": f"{store}/reference"}
+    isolated = _torchrun(user_repo, 2, iso, "--bug", "skip_1d_allreduce")
+    losses += [_losses(p) for p in launches[1:]]
     assert losses[-1] == plain
+    _losses(isolated)
 
     # `ttrace compare` as a user types it, logging to MLflow; while it runs, three more judgements of
     # the same store by the same function in this process (a process of its own each cost ~5 s of CPU).
@@ -291,13 +297,19 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
         paths = report_paths(out.out, tmp_path)
         return code, json.loads(paths[-1].read_text()) if paths else {}, out.out + out.err
 
-    code, report, out = judged("--candidate", "candidate-bug")
+    buggy = ("--candidate", "candidate-bug", "--isolated", "isolated-bug")
+    code, report, out = judged(*buggy)
     assert code == 1 and report["first_divergence"]["module"] == "blocks.0.norm", out
+    # The isolation pass's run names the culprit: the unreduced norm's own gradient, not inherited.
+    assert report["culprit"]["module"] == "blocks.0.norm" and report["culprit"]["resolved"], report
+    assert report["origin"] == "local" and report["isolation"]["run"] == "isolated-bug"
     # The same judgement measured in 2 Ray tasks (cluster.compare_workers; here on the test session's
-    # Ray, as on a cluster `ttrace compare STORE cluster.address=auto` joins): the same first divergence.
-    code, split, out = judged("--candidate", "candidate-bug", "cluster.compare_workers=2")
-    assert code == 1 and split["compare_workers"] == 2, out
-    assert split["first_divergence"] == report["first_divergence"]
+    # Ray, as on a cluster `ttrace compare STORE cluster.address=auto` joins), the isolated run's too:
+    # the same first divergence and culprit.
+    code, split, out = judged(*buggy, "cluster.compare_workers=2")
+    assert code == 1 and split["compare_workers"] == split["isolation"]["compare_workers"] == 2, out
+    assert split["first_divergence"] == report["first_divergence"] and split["culprit"] == report["culprit"]
+    assert split["isolation"]["flagged"] == report["isolation"]["flagged"] > 0
     oks = lambda r: [(t["name"], t["ok"]) for t in r["tensors"]]
     assert oks(split) == oks(report) and len(oks(report)) > 10
     code, _, out = judged("--perturbed", "reference,perturbed-1")
