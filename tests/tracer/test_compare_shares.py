@@ -168,6 +168,54 @@ def test_shares_measured_by_ray_tasks_judge_as_one_walk_and_a_corrupt_part_is_th
                 measurer=tasks("candidate"))
 
 
+def test_a_share_whose_worker_dies_is_an_error_naming_it_not_a_verdict(ray_cluster, tmp_path):
+    """A comparison worker killed mid-share (here: SIGKILL, as the OOM killer does, while its read of a
+    part stalls on storage that never answers: a FIFO in the part's place) ends the comparison with an
+    error naming the share, never a verdict on the other shares' figures."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from orchestrator.compare_tasks import measurer
+
+    for run, kw in RUNS.items():
+        write_run(tmp_path, run, flush_bytes=1, **kw)
+    part = sorted((tmp_path / "candidate" / "rank00001").glob("part-*.safetensors"))[-1]
+    part.unlink()
+    os.mkfifo(part)   # opening it for reading waits for a writer that never comes
+    at = lambda run, size=1: RunAt(str(tmp_path), run, size)
+    tasks = measurer({}, at("reference"), at("candidate", 2), [at("perturbed-0")], 2, K_ELEM)
+    outcome: list = []
+
+    def judge() -> None:
+        try:
+            outcome.append(compare(*_lazy(tmp_path, "candidate"), TolerancePolicy(), measurer=tasks))
+        except Exception as e:   # noqa: BLE001 - what the comparison raised is the test's subject
+            outcome.append(e)
+
+    thread = threading.Thread(target=judge, daemon=True)
+    thread.start()
+    seen: dict[int, float] = {}   # share worker pid -> first seen (Ray titles a running task's process)
+    killed = []
+    deadline = time.monotonic() + 120
+    while thread.is_alive() and not killed and time.monotonic() < deadline:
+        now = time.monotonic()
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if (proc.info["cmdline"] or [""])[0].startswith("ray::_share"):
+                if now - seen.setdefault(proc.info["pid"], now) > 1.0:   # stuck, not just finishing
+                    os.kill(proc.info["pid"], signal.SIGKILL)
+                    killed.append(proc.info["pid"])
+        time.sleep(0.1)
+    thread.join(timeout=60)
+    assert killed, "no share worker was found stalled on the part"
+    (err,) = outcome
+    assert isinstance(err, TraceError) and "its worker was lost" in str(err), err
+    assert "comparison share" in str(err) and "Rerun the check" in str(err), err
+
+
 @pytest.mark.parametrize("cpus", [-1, 10**6])
 def test_a_task_size_no_node_can_hold_is_a_recipe_error_not_a_wait(ray_cluster, tmp_path, cpus):
     from orchestrator.compare_tasks import from_recipe
