@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import fsspec
 import ray
+from fsspec.implementations.local import LocalFileSystem
 
 from orchestrator import cluster, storage
 from orchestrator.refcache import ReferenceSet
@@ -29,7 +31,21 @@ from tracer.store import configure
 def _share(store_opts: dict[str, Any], reference: RunAt, candidate: RunAt, perturbed: list[RunAt],
            keys: list[TensorKey], k_elem: float, threads: int) -> dict[str, Any]:
     configure(store_opts)   # the store's endpoint and timeouts in this worker, as in the ranks
+    for run in (reference, candidate, *perturbed):
+        _visible(run.root)
     return measure_share(reference, candidate, perturbed, keys, k_elem, workers=threads).to_json()
+
+
+def _visible(root: str) -> None:
+    """A local store must be a directory this worker's node sees too (the driver saw it): else the
+    share would report the runs as never traced, which the driver knows to be false."""
+    fs, path = fsspec.core.url_to_fs(root)
+    if isinstance(fs, LocalFileSystem) and not fs.isdir(path):
+        node = ray.util.get_node_ip_address()
+        raise TraceError(f"a comparison share on node {node} cannot see the store {root}: with "
+                         "cluster.compare_workers > 1 each share reads the store where it runs, so every "
+                         "node must reach it (S3, or a directory mounted at that path on every node); or "
+                         "set cluster.compare_workers=1 to measure in the driver")
 
 
 _share_task = ray.remote(max_retries=0)(_share)

@@ -216,6 +216,17 @@ def test_a_share_whose_worker_dies_is_an_error_naming_it_not_a_verdict(ray_clust
     assert "comparison share" in str(err) and "Rerun the check" in str(err), err
 
 
+def test_a_share_on_a_node_that_cannot_see_a_local_store_says_so(tmp_path):
+    """What a share's task does first on its node (orchestrator.compare_tasks._share): a local store
+    missing there (a directory only the driver's node holds) is named as such, not as runs never
+    traced."""
+    from orchestrator.compare_tasks import _share
+
+    at = RunAt(str(tmp_path / "elsewhere"), "reference", 1)
+    with pytest.raises(TraceError, match="share on node .* cannot see the store .*compare_workers=1"):
+        _share({}, at, at, [at], _keys(), K_ELEM, 1)
+
+
 @pytest.mark.parametrize("cpus", [-1, 10**6])
 def test_a_task_size_no_node_can_hold_is_a_recipe_error_not_a_wait(ray_cluster, tmp_path, cpus):
     from orchestrator.compare_tasks import from_recipe
