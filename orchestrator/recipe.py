@@ -24,7 +24,6 @@ from orchestrator.layouts import (  # noqa: F401  (recipe.RECIPES, ...)
     microbatches_differ,
 )
 from tracer.errors import ConfigError
-from tracer.local_verdict import check_local
 from workloads import faults
 
 # Recipe parts that must be identical for a reference to be valid for a candidate.
@@ -199,6 +198,7 @@ def validate(recipe: dict[str, Any], base_dir: str | None = None) -> None:
         raise ConfigError(f"tolerance.perturbations={tol['perturbations']}: at least 2 perturbed reference "
                           "runs are needed; the elementwise tolerance scores each run against the others' "
                           "noise (leave-one-out), which one run cannot do, and clean checks then fail")
+    from tracer.local_verdict import check_local  # here: composing a recipe needs no torch
     from tracer.tolerance import TolerancePolicy
 
     TolerancePolicy.from_config(tol)

@@ -32,3 +32,17 @@ def test_unreachable_s3_endpoint_exits_2_with_a_clear_message(workdir, closed_po
     # Said by the one TCP connection tried first, not after botocore's retries (orchestrator/storage.py).
     assert "unreachable" in proc.stderr and f"no connection to 127.0.0.1:{port}" in proc.stderr
     assert "PASS" not in proc.stdout and proc.stdout.strip().splitlines()[-1].startswith("report: ")
+
+
+def test_a_mistyped_option_is_answered_before_the_checks_modules_load():
+    """A recipe Hydra cannot compose is reported without importing torch, Ray or MLflow (2 s of the
+    3 s such a typo took)."""
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('loaded:', sorted({'torch', 'ray', 'mlflow'} & set(sys.modules)),"
+             " file=sys.stderr))\n"
+             "from orchestrator.cli import main\n"
+             "sys.argv = ['ttrace', 'parallel=tp3', 'tracking.enabled=false']\n"
+             "main()\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Could not find 'parallel/tp3'" in proc.stderr, proc.stderr
+    assert "loaded: []" in proc.stderr, proc.stderr
