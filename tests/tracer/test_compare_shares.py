@@ -172,6 +172,7 @@ def test_a_share_whose_worker_dies_is_an_error_naming_it_not_a_verdict(ray_clust
     """A comparison worker killed mid-share (here: SIGKILL, as the OOM killer does, while its read of a
     part stalls on storage that never answers: a FIFO in the part's place) ends the comparison with an
     error naming the share, never a verdict on the other shares' figures."""
+    import contextlib
     import os
     import signal
     import threading
@@ -206,8 +207,9 @@ def test_a_share_whose_worker_dies_is_an_error_naming_it_not_a_verdict(ray_clust
         for proc in psutil.process_iter(["pid", "cmdline"]):
             if (proc.info["cmdline"] or [""])[0].startswith("ray::_share"):
                 if now - seen.setdefault(proc.info["pid"], now) > 1.0:   # stuck, not just finishing
-                    os.kill(proc.info["pid"], signal.SIGKILL)
-                    killed.append(proc.info["pid"])
+                    with contextlib.suppress(ProcessLookupError):   # unless it ended meanwhile
+                        os.kill(proc.info["pid"], signal.SIGKILL)
+                        killed.append(proc.info["pid"])
         time.sleep(0.1)
     thread.join(timeout=60)
     assert killed, "no share worker was found stalled on the part"
