@@ -125,10 +125,12 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
                                           "candidate": candidate, "isolated": isolated}}
         policy = TolerancePolicy.from_config(rec["tolerance"])
         at = lambda run, trace: RunAt(root, run, trace.world_size)
-        shared = compare_tasks.from_recipe(rec, at(reference, ref), at(candidate, cand),
-                                           [at(r, t) for r, t in zip(perturbed, pert, strict=True)],
-                                           policy.k_elem)
-        if shared is not None:   # cluster.compare_workers > 1: the measurement in Ray tasks
+        pert_at = [at(r, t) for r, t in zip(perturbed, pert, strict=True)]
+        # cluster.compare_workers > 1: a run's measurement against the reference set in Ray tasks
+        tasks = lambda run, trace: compare_tasks.from_recipe(rec, at(reference, ref), at(run, trace), pert_at,
+                                                             policy.k_elem)
+        shared = tasks(candidate, cand)
+        if shared is not None:
             p.report["compare_workers"] = compare_tasks.workers_of(rec)
         p.comparison = compare(ref, cand, pert, policy, measurer=shared)
         p.report["timings"]["compare"] = time.perf_counter() - t0
@@ -137,9 +139,7 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
         if isolated and p.comparison.verdict == "fail":
             try:   # measured where the candidate was (cluster.compare_workers), against the same runs
                 iso = load_logical(root, isolated, world_size_of(root, isolated), lazy=True)
-                shared = compare_tasks.from_recipe(rec, at(reference, ref), at(isolated, iso),
-                                                   [at(r, t) for r, t in zip(perturbed, pert, strict=True)],
-                                                   policy.k_elem)
+                shared = tasks(isolated, iso)
                 t1 = time.perf_counter()
                 local = compare(ref, iso, pert, policy, measurer=shared)
                 p.report.update(name_culprit(p.comparison, local))

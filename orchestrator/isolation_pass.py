@@ -96,7 +96,7 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
             isolated = load_logical(p.store_url, "isolated", job.world_size, lazy=True)
             reference, perturbed = p.loaded
             policy = TolerancePolicy.from_config(p.rec["tolerance"])
-            assert p.refs is not None   # cluster.compare_workers > 1: measured in Ray tasks
+            assert p.refs is not None   # a compared check has its reference set
             shared = compare_tasks.against_references(p.rec, p.refs, p.store_url, "isolated", job.world_size,
                                                       policy.k_elem)
             local = compare(reference, isolated, perturbed, policy, measurer=shared)
@@ -110,7 +110,7 @@ def isolate(plans: list[PlannedCheck], progress: bool = False) -> None:
                                      "local": {r.name: [r.rel_err, r.elem_err] for r in local.results
                                                if not r.ok}}
             if shared is not None:
-                p.report["isolation"]["compare_workers"] = p.report["compare_workers"]
+                p.report["isolation"]["compare_workers"] = compare_tasks.workers_of(p.rec)
         except TTraceError as e:
             p.report["localization_error"] = f"isolation pass failed (the verdict stands): {e}"
             _unjudged(p, str(e))
