@@ -8,14 +8,6 @@ STAMP   := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# Sources no test, job or command imports, left uncompiled by setup (a third of them: 24,000 -> 12,900
-# files): packages' own tests, HF model families but llama's (and the auto mappings), Ray's libraries
-# (RLlib, Data, Serve, Tune, Train), pip, the S3 test server (one process), and the plotting and ML
-# libraries that come with MLflow. `.venv/bin/python scripts/bytecode_audit.py` lists what the suite's
-# processes import without bytecode: nothing (torch stays whole: pipelining and megatron-core import
-# its compiler; transformers/models/__init__.py is kept).
-BYTECODE_SKIP := site-packages/((.+/)?tests/|pip/|transformers/models/(?!(llama|auto)/)[^/]+/|ray/(rllib|data|serve|tune|train|air)/|moto/|sklearn/|matplotlib/|fontTools/|cfnlint/)
-
 # Re-run the install when the dependency list changes.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,17 +19,19 @@ $(STAMP): pyproject.toml
 	# 80. uv reads no pip configuration: where it cannot install (an index only pip knows), pip does.
 	$(BIN)/pip install --quiet uv==0.13.9 && $(BIN)/uv pip install --quiet --python $(BIN)/python \
 	    -e '.[dev,megatron,hf]' || $(BIN)/pip install --quiet --no-compile -e '.[dev,megatron,hf]'
-	# Bytecode compiled now, on every core: left to the first imports, every Ray worker starting at once
-	# compiles the same modules (the test suite ran 35% longer; where PYTHONDONTWRITEBYTECODE is set, as
-	# here, every process compiles what it imports, every time). Not BYTECODE_SKIP: 45 -> 31 s here. A
-	# file written for a later Python fails to compile, as pip lets it, so the exit status says nothing.
-	$(BIN)/python -m compileall -qq -j 0 -x '$(BYTECODE_SKIP)' \
-	    "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
-	# The compiled kernels (numba), compiled once here into tracer/kernels/__pycache__/ttrace-kernels-<digest of their
-	# sources> (those of earlier sources removed): float32's and float64's in two processes at once (each
-	# kernel has cache files of its own), 35 s on one core here.
-	$(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float32',))" & f32=$$!; \
-	    $(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float64',), gathers=False)" && wait $$f32
+	# Bytecode compiled now for what a check's and the suite's processes import (scripts/suite_imports.py:
+	# 6,000 of the venv's 24,000 files), by importing it with bytecode writing on: left to the first
+	# imports, every Ray worker starting at once compiles the same modules (the suite ran 35% longer;
+	# where PYTHONDONTWRITEBYTECODE is set, as here, every process compiles what it imports, every time).
+	# Beside it, the compiled kernels (numba) into tracer/kernels/__pycache__/ttrace-kernels-<digest of
+	# their sources> (those of earlier sources removed), float32's (and the gathers) and float64's (each
+	# kernel has cache files of its own; 22 s of one core per dtype here). Four processes at once on two
+	# cores: 37 s here, where compileall of the whole venv (35 s) then the kernels (25 s) took 60.
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python scripts/suite_imports.py torch & torch_side=$$!; \
+	    PYTHONDONTWRITEBYTECODE= $(BIN)/python scripts/suite_imports.py services & services=$$!; \
+	    $(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float64',), gathers=False)" & f64=$$!; \
+	    $(BIN)/python -c "from tracer import kernels; kernels.warm_up(('float32',))" && \
+	    wait $$torch_side && wait $$services && wait $$f64
 	touch $(STAMP)
 
 demo: setup

@@ -14,6 +14,9 @@ n=$(nproc 2>/dev/null || echo 2)
 # runs): where PYTHONDONTWRITEBYTECODE is set, each of them compiled its 16,000 lines (0.25 s of CPU).
 # A file that does not compile is printed here and fails the tests that import it.
 "$PY" -m compileall -q -j "$n" tracer orchestrator workloads hydra_plugins
+# And the tests' processes write what they import that setup did not compile (scripts/suite_imports.py
+# lists what it does), once, instead of compiling it again in every process that imports it.
+unset PYTHONDONTWRITEBYTECODE
 "$PY" -m pytest -q -n "$n" --dist loadfile -m "not ray" "$@"; fast=$?
 [ $fast -eq 5 ] && fast=0   # none collected there (only multi-rank tests asked for)
 "$PY" -m pytest -q --durations=12 -m ray "$@"; slow=$?
