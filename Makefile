@@ -75,7 +75,8 @@ bench-faults: setup
 	$(BIN)/python bench/faults.py $(BENCH_ARGS)
 
 # The test suite's own cost: wall time, busy CPU-seconds, Ray workers started, peak memory -> bench/suite.json
-# (exits 1 on a failed test or a wall time over the goal, 600 s; BENCH_ARGS="--goal-s 900 tests/ray" narrows it)
+# (exits 1 on a failed test or a wall time over the goal, 600 s; BENCH_ARGS="--goal-s 900 tests/ray" narrows it;
+# BENCH_ARGS=--fresh-clone: `make test` in a fresh clone of HEAD, setup included, as CI runs it)
 bench-suite: setup chromium
 	$(BIN)/python bench/suite.py $(BENCH_ARGS)
 

@@ -11,9 +11,10 @@ why a run was slow or whether a change helped on a shared machine; this runs the
 - the peak memory in use (MemTotal - MemAvailable, sampled every 2 s).
 
 It exits 1 when a test fails or the suite's wall time misses the goal. The goal is judged on pytest
-alone, which is what a change to the tests moves; `make test` on a fresh clone adds the setup (~100 s).
+alone, which is what a change to the tests moves; with --fresh-clone, on `make test` in a fresh clone
+of HEAD, as CI runs it (the setup included: venv, bytecode, compiled kernels; `setup_s`).
 
-Usage: python bench/suite.py [--goal-s 600] [pytest args, default: tests]
+Usage: python bench/suite.py [--goal-s 600] [--fresh-clone] [pytest args, default: tests]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -65,21 +67,23 @@ def _ray_sessions() -> set[Path]:
     return set(root.glob("session_2*")) if root.is_dir() else set()
 
 
-def measure(pytest_args: list[str], cpus: int) -> dict[str, Any]:
-    """Run pytest once; its outcome and what the machine (`cpus` cores) spent meanwhile."""
-    sessions_before, peak, done = _ray_sessions(), [_used_mb()], threading.Event()
+def measure(cmd: list[str], cwd: Path, cpus: int, stamp: Path | None = None) -> dict[str, Any]:
+    """Run `cmd` once (the test suite); its outcome and what the machine (`cpus` cores) spent meanwhile.
+    `stamp`: a file the command creates once its setup is done (when it appears: `setup_s`)."""
+    sessions_before, peak, done, setup = _ray_sessions(), [_used_mb()], threading.Event(), [None]
+    hz = os.sysconf("SC_CLK_TCK")
+    busy0, t0 = _busy_jiffies(), time.perf_counter()
 
     def sample() -> None:
-        while not done.wait(2.0):
+        while not done.wait(1.0):
             peak[0] = max(peak[0], _used_mb())
+            if stamp is not None and setup[0] is None and stamp.exists():
+                setup[0] = round(time.perf_counter() - t0, 1)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    hz = os.sysconf("SC_CLK_TCK")
-    busy0, t0 = _busy_jiffies(), time.perf_counter()
-    # As `make test` runs them: the single-process tests on several cores, then the multi-rank ones.
-    proc = subprocess.run(["sh", str(ROOT / "scripts" / "run_tests.sh"), *pytest_args], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "PY": sys.executable})
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "PY": sys.executable} if stamp is None else None)
     wall, busy = time.perf_counter() - t0, (_busy_jiffies() - busy0) / hz
     done.set()
     sampler.join()
@@ -90,30 +94,54 @@ def measure(pytest_args: list[str], cpus: int) -> dict[str, Any]:
         counts[k] = counts.get(k, 0) + int(n)
     new = _ray_sessions() - sessions_before
     workers = sum(len(list((s / "logs").glob("worker-*.out"))) for s in new)
-    return {"pytest_args": pytest_args, "exit_code": proc.returncode, "tests": counts,
-            "wall_s": round(wall, 1), "busy_cpu_s": round(busy, 1),
-            "cpu_busy_share": round(busy / (wall * cpus), 3), "ray_sessions": len(new),
-            "ray_workers_started": workers, "peak_mem_used_mb": round(peak[0])}
+    out = {"exit_code": proc.returncode, "tests": counts,
+           "wall_s": round(wall, 1), "busy_cpu_s": round(busy, 1),
+           "cpu_busy_share": round(busy / (wall * cpus), 3), "ray_sessions": len(new),
+           "ray_workers_started": workers, "peak_mem_used_mb": round(peak[0]),
+           # the two phases' own figures (pytest's summary lines: single-process, then multi-rank)
+           "pytest_phases_s": [float(x) for x in re.findall(r" in ([0-9.]+)s", proc.stdout)]}
+    if stamp is not None:
+        out["setup_s"] = setup[0]
+    return out
+
+
+def fresh_clone(cpus: int) -> dict[str, Any]:
+    """`make test` in a fresh clone of this checkout's HEAD, as CI runs it: the venv, its bytecode and
+    the compiled kernels set up from nothing, then the tests."""
+    with tempfile.TemporaryDirectory(prefix="ttrace-fresh-") as tmp:
+        clone = Path(tmp) / "ttrace"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        return measure(["make", "test"], clone, cpus, stamp=clone / ".venv" / ".installed")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--goal-s", type=float, default=GOAL_S, help="the suite's wall-time goal, seconds")
+    ap.add_argument("--fresh-clone", action="store_true",
+                    help="`make test` in a fresh clone of HEAD, setup included (the goal judges all of it)")
     args, pytest_args = ap.parse_known_args()
     cpus = len(os.sched_getaffinity(0))
+    if args.fresh_clone:
+        measured = {"fresh_clone": True, **fresh_clone(cpus)}
+    else:   # as `make test` runs them: the single-process tests on several cores, then the multi-rank ones
+        measured = {"pytest_args": pytest_args or ["tests"],
+                    **measure(["sh", str(ROOT / "scripts" / "run_tests.sh"), *(pytest_args or ["tests"])],
+                              ROOT, cpus)}
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _cpu_model(), "cpus": cpus,
               "mem_total_mb": round(_meminfo_mb("MemTotal")),
               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                                        capture_output=True, text=True).stdout.strip(),
-              "goal_s": args.goal_s, **measure(pytest_args or ["tests"], cpus)}
+              "goal_s": args.goal_s, **measured}
     over = result["wall_s"] > args.goal_s
     result["missed"] = [f"wall {result['wall_s']} s > {args.goal_s:g} s"] if over else []
     OUT.write_text(json.dumps(result, indent=1))
-    print(f"\nsuite: {result['tests']} in {result['wall_s']} s wall, {result['busy_cpu_s']} busy CPU-s "
-          f"({result['cpu_busy_share']:.0%} of {result['cpus']} cores), {result['ray_workers_started']} Ray "
-          f"workers started, peak {result['peak_mem_used_mb']} MB in use; wrote {OUT.relative_to(ROOT)}")
+    setup = f" (setup {result['setup_s']} s)" if args.fresh_clone else ""
+    print(f"\nsuite: {result['tests']} in {result['wall_s']} s wall{setup}, pytest phases "
+          f"{result['pytest_phases_s']} s, {result['busy_cpu_s']} busy CPU-s ({result['cpu_busy_share']:.0%} "
+          f"of {result['cpus']} cores), {result['ray_workers_started']} Ray workers started, peak "
+          f"{result['peak_mem_used_mb']} MB in use; wrote {OUT.relative_to(ROOT)}")
     if result["exit_code"] != 0:
-        sys.exit(f"tests failed (pytest exit code {result['exit_code']})")
+        sys.exit(f"tests failed (exit code {result['exit_code']})")
     if result["missed"]:
         sys.exit(f"goal missed: {result['missed'][0]}")
 
