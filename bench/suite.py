@@ -8,7 +8,7 @@ why a run was slow or whether a change helped on a shared machine; this runs the
   CPU-bound suite gains from less work, not from packing it differently;
 - Ray workers started (log files of the test session's Ray cluster): each boots Python and Ray
   (~0.8 s of CPU on an idle machine) and some then import torch;
-- the peak memory in use (MemTotal - MemAvailable, sampled every 2 s).
+- the peak memory in use (MemTotal - MemAvailable, sampled every second).
 
 It exits 1 when a test fails or the suite's wall time misses the goal. The goal is judged on pytest
 alone, which is what a change to the tests moves; with --fresh-clone, on `make test` in a fresh clone
@@ -67,7 +67,8 @@ def _ray_sessions() -> set[Path]:
     return set(root.glob("session_2*")) if root.is_dir() else set()
 
 
-def measure(cmd: list[str], cwd: Path, cpus: int, stamp: Path | None = None) -> dict[str, Any]:
+def measure(cmd: list[str], cwd: Path, cpus: int, env: dict[str, str] | None = None,
+            stamp: Path | None = None) -> dict[str, Any]:
     """Run `cmd` once (the test suite); its outcome and what the machine (`cpus` cores) spent meanwhile.
     `stamp`: a file the command creates once its setup is done (when it appears: `setup_s`)."""
     sessions_before, peak, done, setup = _ray_sessions(), [_used_mb()], threading.Event(), [None]
@@ -82,8 +83,7 @@ def measure(cmd: list[str], cwd: Path, cpus: int, stamp: Path | None = None) -> 
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PY": sys.executable} if stamp is None else None)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     wall, busy = time.perf_counter() - t0, (_busy_jiffies() - busy0) / hz
     done.set()
     sampler.join()
@@ -124,9 +124,10 @@ def main() -> None:
     if args.fresh_clone:
         measured = {"fresh_clone": True, **fresh_clone(cpus)}
     else:   # as `make test` runs them: the single-process tests on several cores, then the multi-rank ones
-        measured = {"pytest_args": pytest_args or ["tests"],
-                    **measure(["sh", str(ROOT / "scripts" / "run_tests.sh"), *(pytest_args or ["tests"])],
-                              ROOT, cpus)}
+        pytest_args = pytest_args or ["tests"]
+        measured = {"pytest_args": pytest_args,
+                    **measure(["sh", str(ROOT / "scripts" / "run_tests.sh"), *pytest_args], ROOT, cpus,
+                              env={**os.environ, "PY": sys.executable})}
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _cpu_model(), "cpus": cpus,
               "mem_total_mb": round(_meminfo_mb("MemTotal")),
               "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
