@@ -85,28 +85,41 @@ def local_stats(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
 def slab_stats(slab: torch.Tensor, slots: Sequence[tuple[int, int]],
                dtype: torch.dtype) -> list[dict[str, Any]]:
     """The statistics of tensors of `dtype` lying in a byte buffer (a snapshot's slab, tracer/writer.py)
-    at (byte offset, bytes) each, aligned to the element size: sum of squares and sum accumulated in
-    float64, the largest |x|, and xxh3_64 of the bytes. One compiled pass per tensor, all tensors in
-    one call (tracer/kernels/moments.py); float32 and float64 are read where they lie, other float
-    dtypes widened to float32 (bf16, fp16 and fp8 values are exact there). Non-finite values make
-    the statistics non-finite."""
+    at (byte offset, bytes) each, aligned to the element size, as manifest entries record them
+    (`slab_figures`, `entry`)."""
+    at = np.array([off for off, _ in slots], dtype=np.int64)
+    nbytes = np.array([n for _, n in slots], dtype=np.int64)
+    figures = slab_figures(slab, at, nbytes, dtype)
+    return [entry(*f, n // dtype.itemsize) for *f, n in zip(*(a.tolist() for a in figures), nbytes.tolist(),
+                                                           strict=True)]
+
+
+def slab_figures(slab: torch.Tensor, at: np.ndarray, nbytes: np.ndarray,
+                 dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(sum of squares, sum, largest |x|, xxh3_64) of the tensors of `dtype` at byte offsets `at`, of
+    `nbytes` each, in `slab`: the sums accumulated in float64, the hash of the bytes as they lie (a
+    uint64 each). One compiled pass per tensor, all tensors in one call (tracer/kernels/moments.py);
+    float32 and float64 are read where they lie, other float dtypes widened to float32 (bf16, fp16
+    and fp8 values are exact there). Non-finite values make the statistics non-finite."""
     from tracer.kernels.moments import moments  # numba: imported by stats mode and scans only
 
     size = dtype.itemsize
-    lo = min((off for off, _ in slots), default=0)
-    hi = max((off + n for off, n in slots), default=0)
+    lo = int(at.min()) if len(at) else 0
+    hi = int((at + nbytes).max()) if len(at) else 0
     typed = slab[lo:hi].view(dtype) if hi > lo else torch.zeros(0, dtype=dtype)
     x = typed.numpy() if dtype in _NUMPY_FLOATS else typed.to(torch.float32).numpy()
     uint, sign_off = _BITS[x.dtype]
-    starts = np.array([(off - lo) // size for off, _ in slots], dtype=np.int64)
-    lens = np.array([n // size for _, n in slots], dtype=np.int64)
-    top = np.zeros(len(slots), dtype=uint)
-    sumsq, sums = moments(x, x.view(uint), sign_off, starts, lens, top)
-    absmax = top.view(x.dtype).astype(np.float64)
-    raw = slab.numpy()
-    return [{"sumsq": a, "absmax": m, "sum": b, "numel": n // size,
-             "hash": xxhash.xxh3_64_hexdigest(raw[off:off + n])}
-            for a, b, m, (off, n) in zip(sumsq.tolist(), sums.tolist(), absmax.tolist(), slots, strict=True)]
+    top = np.zeros(len(at), dtype=uint)
+    hashes = np.zeros(len(at), dtype=np.uint64)
+    sumsq, sums = moments(x, x.view(uint), sign_off, (at - lo) // size, nbytes // size, top,
+                          np.uint64(slab.data_ptr()), at, nbytes, hashes)
+    return sumsq, sums, top.view(x.dtype).astype(np.float64), hashes
+
+
+def entry(sumsq: float, total: float, absmax: float, digest: int, numel: int) -> dict[str, Any]:
+    """A tensor's statistics as a stats-mode manifest entry records them (the hash as xxh3_64's hex
+    digest)."""
+    return {"sumsq": sumsq, "absmax": absmax, "sum": total, "numel": numel, "hash": f"{digest:016x}"}
 
 
 _NUMPY_FLOATS = (torch.float32, torch.float64)

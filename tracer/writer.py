@@ -26,6 +26,7 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
@@ -33,7 +34,7 @@ from tracer.checksum import WRITTEN, hasher
 from tracer.direct_io import header_block, write_direct
 from tracer.errors import TraceError
 from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
-from tracer.stats import MODES, PARTIAL_IN_FULL, load_kernel, slab_stats
+from tracer.stats import MODES, PARTIAL_IN_FULL, entry, load_kernel, slab_figures
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 # A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
@@ -73,7 +74,9 @@ class TraceWriter:
         self._rows: list[tuple[tuple, int, float, tuple[int, ...], torch.dtype, str | None]] = []
         self._layouts: list[dict[str, Any]] = []
         self._layout_index: dict[int, int] = {}   # id(layout) -> index (_layouts keeps it alive)
-        self._stats: dict[int, dict[str, Any]] = {}   # row -> statistics (stats mode; writer thread)
+        # Stats mode, per dtype of a part (writer thread): (element size, rows, bytes, and the figures of
+        # tracer.stats.slab_figures), made manifest entries at close.
+        self._figures: list[tuple[int, np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] = []
         self.files: list[dict[str, Any]] = []
         self._pool = SlabPool(flush_bytes, keep=max_pending + 2)
         if copier is None and torch.cuda.is_available():
@@ -111,14 +114,17 @@ class TraceWriter:
     @property
     def entries(self) -> list[dict[str, Any]]:
         """The manifest entries of every record so far (complete once `close` joined the thread)."""
+        stats = {row: entry(*f, n // size) for size, rows, nbytes, figures in self._figures
+                 for row, *f, n in zip(rows.tolist(), *(a.tolist() for a in figures), nbytes.tolist(),
+                                       strict=True)}
         out = []
         for i, (head, layout, scale, shape, dtype, file) in enumerate(self._rows):
             e = dict(zip(FIELDS, (*head, self._layouts[layout], scale), strict=True), key=head[0],
                      shape=list(shape), dtype=str(dtype).removeprefix("torch."))
             if file is not None:
                 e["file"] = file
-            if i in self._stats:
-                e["stats"] = self._stats[i]
+            if i in stats:
+                e["stats"] = stats[i]
             out.append(e)
         return out
 
@@ -176,15 +182,15 @@ class TraceWriter:
 
     def _record_stats(self, part: Part) -> None:
         """Stats mode: the summarized slots' statistics, one compiled pass over the slab per dtype
-        (tracer.stats.slab_stats)."""
-        groups: dict[torch.dtype, list[Slot]] = {}
-        for s in part.slots:
-            if not s[5]:
-                groups.setdefault(s[1], []).append(Slot._make(s))
+        (tracer.stats.slab_figures). The training thread waits for the GIL this thread holds: per
+        slot, one tuple appended here, the entries made at close."""
+        groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
+        for row, dtype, _, offset, nbytes, keep in part.slots:
+            if not keep:
+                groups.setdefault(dtype, []).append((row, offset, nbytes))
         for dtype, slots in groups.items():
-            found = slab_stats(part.slab, [(s.offset, s.nbytes) for s in slots], dtype)
-            for slot, st in zip(slots, found, strict=True):
-                self._stats[slot.row] = st
+            rows, at, nbytes = np.array(slots, dtype=np.int64).T.copy()   # each row contiguous
+            self._figures.append((dtype.itemsize, rows, nbytes, slab_figures(part.slab, at, nbytes, dtype)))
 
     def _write_direct(self, name: str, part: Part, slots: list[tuple]) -> bool:
         """The part as its slab holds it, with O_DIRECT (tracer/direct_io.py): True if written. False

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 
 from tracer import Partial, Replicate, Shard
 from tracer.errors import TraceError
@@ -200,7 +201,8 @@ def test_the_writers_bookkeeping_per_record_is_left_out_of_the_cyclic_gc(tmp_pat
 def test_stats_mode_records_the_statistics_of_each_snapshot_as_local_stats_computes_them(tmp_path):
     """The writer reduces whole-block runs of its slabs (padding zeroed, dtypes mixed, several parts, a
     tensor larger than a slab): the same statistics as `local_stats` of each tensor alone, within a
-    few ulps of float64 ones, and finite where a float32 block's own reduction would overflow."""
+    few ulps of float64 ones, and finite where a float32 block's own reduction would overflow; the
+    hash is python-xxhash's xxh3_64 of the tensor's bytes (the kernel links xxhash's C function)."""
     huge = torch.full((300,), 3e30)   # its squares overflow float32
     want = _write(tmp_path, "r", flush_bytes=1024, mode="stats", extra={"huge": huge})
     manifest = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())
@@ -212,6 +214,7 @@ def test_stats_mode_records_the_statistics_of_each_snapshot_as_local_stats_compu
         assert got[name]["sumsq"] == pytest.approx(float(x.square().sum()), rel=1e-6, abs=1e-30), name
         assert got[name]["sum"] == pytest.approx(float(x.sum()), rel=1e-6, abs=1e-6), name
         assert got[name]["absmax"] == (float(x.abs().max()) if x.numel() else 0.0), name
+        assert got[name]["hash"] == xxhash.xxh3_64_hexdigest(t.reshape(-1).view(torch.uint8).numpy()), name
     assert math.isfinite(got["huge"]["sumsq"])
 
 

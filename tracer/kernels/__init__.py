@@ -97,4 +97,5 @@ def warm_up(dtypes: tuple[str, ...] = ("float32", "float64"), gathers: bool = Tr
                   side[14])
         excusal.gradient(x, x, x, at, 1, 1.0, 0.0, flags, f8.copy(), f8.copy())
         excusal.param(x, x.reshape(1, 1), x, at, 1, flags, none, none, False, 1.0, 1.0)
-        moments.moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint))
+        moments.moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint), np.uint64(x.ctypes.data),
+                        zero, one * x.itemsize, np.zeros(1, np.uint64))
