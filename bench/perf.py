@@ -9,7 +9,9 @@
   of 4 in one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's
   figure. `paired.hooks_only`: the same with the writer's `add` doing nothing, what tracing costs
   before a single byte is recorded (the taps and gradient hooks, the records' names): the floor no
-  change of the writer can go under on this model.
+  change of the writer can go under on this model. `paired_by_model`: the same three figures for
+  two wider models (hidden 128 and 256) with the trace bytes per traced step: what costs per record
+  (the taps) and what per byte (the snapshot and the writer), a diagnostic.
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
   peak RSS with full tracing vs `Tracer.disabled()`, and trace bytes per step, for gpt_tiny and a
   4x larger model (hidden 128, ffn 512: 4x the parameters). One single-rank gloo job per spawned
@@ -157,7 +159,9 @@ def _train_paired(spec: dict[str, Any], q: Any, hooks_only: bool = False) -> Non
     traced: list[float] = []
     paused: list[float] = []
     train.main(_paired_session(spec, _single_rank_env(), traced, paused))
-    q.put({"traced": traced, "paused": paused})
+    steps = int(spec["steps"])   # a block's first step is traced too, only not counted
+    q.put({"traced": traced, "paused": paused,
+           "traced_steps": sum(1 for s in range(steps) if s // PAIRED_BLOCK % 2 == 0)})
 
 
 # tracer.writer.FIELDS (bench must not depend on it for the old writer's sake)
@@ -325,6 +329,37 @@ PAIRED_MODES = ("full", "stats", "hooks_only")
 WRITERS = {"off": None, "legacy_full": "full", "full": "full", "stats": "stats"}
 
 
+# paired_by_model: gpt_tiny and two wider models (4x and 16x the weights of a layer, 2x and 4x its
+# activations): the taps' cost per record stays, the step's compute and the bytes per step grow.
+PAIRED_MODELS = {"gpt_tiny": [], "hidden=128": ["model.hidden=128", "model.ffn_hidden=512"],
+                 "hidden=256": ["model.hidden=256", "model.ffn_hidden=1024"]}
+
+
+def _paired(overrides: list[str], rounds: int, tmp: Path) -> dict[str, Any]:
+    """Per paired mode, the traced and paused steps' medians and their ratio, over `rounds` processes
+    each; and the trace bytes per traced step (full mode)."""
+    got: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in PAIRED_MODES}
+    written = traced_steps = 0
+    for r in range(rounds):
+        for mode, g in got.items():
+            store = tmp / mode
+            spec = _spec([f"steps={PAIRED_STEPS}", *overrides], str(store), f"round{r}")
+            spec["trace"]["mode"] = "stats" if mode == "stats" else "full"
+            res = _in_child(_train_paired, spec, hooks_only=mode == "hooks_only")
+            g["traced"] += res["traced"]
+            g["paused"] += res["paused"]
+            if mode == "full":
+                written += _dir_bytes(store / f"round{r}")
+                traced_steps += res["traced_steps"]
+    out: dict[str, Any] = {}
+    for mode, g in got.items():
+        on, off = statistics.median(g["traced"]), statistics.median(g["paused"])
+        out[mode] = {"steps_per_kind": len(g["traced"]), "block": PAIRED_BLOCK,
+                     "traced_median_s": on, "paused_median_s": off, "step_time_ratio": on / off}
+    out["trace_bytes_per_traced_step"] = written / max(traced_steps, 1)
+    return out
+
+
 def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
     """gpt_tiny, one rank: median step time (steps after the first, all rounds pooled) of each writer
     over the untraced one. Each round runs every configuration once, in a fresh process, in turn: a
@@ -341,14 +376,10 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
             steps_of[w] += res["steps"][1:]   # step 0 pays one-off allocations
             cpu_of[w] += res["step_cpu"][1:]
             bytes_of[w] = _dir_bytes(store / f"round{r}") if mode else 0
-    paired: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in PAIRED_MODES}
-    for r in range(rounds):   # the same figures, traced and paused steps interleaved in one process
-        for mode, got in paired.items():
-            spec = _spec([f"steps={PAIRED_STEPS}"], str(tmp / f"tracer-overhead-paired-{mode}"), f"round{r}")
-            spec["trace"]["mode"] = "stats" if mode == "stats" else "full"
-            res = _in_child(_train_paired, spec, hooks_only=mode == "hooks_only")
-            got["traced"] += res["traced"]
-            got["paused"] += res["paused"]
+    # The same figures, traced and paused steps interleaved in one process: gpt_tiny (the goals'
+    # model), then wider ones (a diagnostic: how the costs per record and per byte scale).
+    paired = {label: _paired(ov, rounds, tmp / f"tracer-overhead-paired-{i}")
+              for i, (label, ov) in enumerate(PAIRED_MODELS.items())}
     med = {w: statistics.median(v) for w, v in steps_of.items()}
     # The mean beside the median: a full GC pass or a stall on the writer thread is a rare long step
     # that the median ignores and a training run pays.
@@ -362,11 +393,8 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
     # Before this change there was no stats mode: its `before` is the full trace it replaces.
     out["stats_mode_step_time_ratio"] = {"before": med["legacy_full"] / med["off"],
                                          "after": med["stats"] / med["off"]}
-    out["paired"] = {}
-    for mode, got in paired.items():
-        on, off = statistics.median(got["traced"]), statistics.median(got["paused"])
-        out["paired"][mode] = {"steps_per_kind": len(got["traced"]), "block": PAIRED_BLOCK,
-                               "traced_median_s": on, "paused_median_s": off, "step_time_ratio": on / off}
+    out["paired"], *wider = paired.values()
+    out["paired_by_model"] = dict(zip(list(PAIRED_MODELS)[1:], wider, strict=True))
     out["missed"] = [k for k, goal in GOALS.items() if out[k]["after"] > goal]
     return out
 
@@ -684,9 +712,17 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"{k}: before {t[k]['before']:.2f}, after {t[k]['after']:.2f} (goal <= {goal})"
                          f"{'  MISSED' if k in t['missed'] else ''}")
         for mode, pr in t.get("paired", {}).items():
-            lines.append(f"paired in one process, {mode}: traced {pr['traced_median_s'] * 1e3:.1f} ms, "
-                         f"paused {pr['paused_median_s'] * 1e3:.1f} ms, x{pr['step_time_ratio']:.2f} "
-                         f"({pr['steps_per_kind']} steps each, blocks of {pr['block']})")
+            if mode in PAIRED_MODES:
+                lines.append(f"paired in one process, {mode}: traced {pr['traced_median_s'] * 1e3:.1f} ms, "
+                             f"paused {pr['paused_median_s'] * 1e3:.1f} ms, x{pr['step_time_ratio']:.2f} "
+                             f"({pr['steps_per_kind']} steps each, blocks of {pr['block']})")
+        if "paired_by_model" in t:
+            lines.append(f"paired by model{'':<6}{'step ms':>9}{'trace MB/step':>15}"
+                         + "".join(f"{m + ' x':>14}" for m in PAIRED_MODES))
+            for label, pr in {"gpt_tiny": t["paired"], **t["paired_by_model"]}.items():
+                lines.append(f"  {label:<19}{pr['full']['paused_median_s'] * 1e3:>9.1f}"
+                             f"{pr.get('trace_bytes_per_traced_step', math.nan) / 1e6:>15.1f}"
+                             + "".join(f"{pr[m]['step_time_ratio']:>14.2f}" for m in PAIRED_MODES))
         lines.append("")
     lines += ["tracer overhead (single rank, gloo, CPU; steps after the first)",
              f"{'model':<13}{'step off ms':>12}{'step on ms':>12}{'step x':>8}{'wall x':>8}"
