@@ -24,6 +24,7 @@ from tracer.kernels.loops import (
     top_two_into,
     view,
 )
+from tracer.kernels.three_runs import envelope_three, loo_three_into, viewed_three_into
 
 
 @numba.njit(**JIT)
@@ -86,6 +87,20 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
                     for j in range(U(m)):
                         ak = abs(np.float64(r[lo + j]))
                         ra[j] = ak if ak > ra[j] else ra[j]
+                if R == 3 and not masked:   # the default, fused (three_runs.py)
+                    q0, q1, q2, g0, g1, g2 = envelope_three(P, r, lo, m, env_full, env, ea, cs, U(j0),
+                                                            U(nc + j0), U(2 * nc + j0), viewed)
+                    if viewed:
+                        rs[0, i] += q0
+                        rs[1, i] += q1
+                        rs[2, i] += q2
+                    pn2[0] += q0
+                    pn2[1] += q1
+                    pn2[2] += q2
+                    dots[0] += g0
+                    dots[1] += g1
+                    dots[2] += g2
+                    continue
                 e[:m] = 0.0
                 for k in range(R):
                     ao = U(k * TILE)
@@ -191,16 +206,23 @@ def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
                     mt[j] = abs(np.float64(r[lo + j])) + rms_t     # the element's magnitude
                 # The largest |p_q - r| over the runs but k: the second largest where run k holds the
                 # largest (2R passes over the piece, not R(R-1) maxima).
-                top[:] = 0.0
-                second[:] = 0.0
-                for q in range(R):
-                    top_two_into(top, second, a, U(q * TILE), m)
-                for k in range(R):
-                    loo_ratios_into(acc, a, U(k * TILE), top, second, mt, nu_u[k], m)
+                if R == 3:
+                    loo_three_into(acc, a, mt, nu_u[0], nu_u[1], nu_u[2], m)
+                else:
+                    top[:] = 0.0
+                    second[:] = 0.0
+                    for q in range(R):
+                        top_two_into(top, second, a, U(q * TILE), m)
+                    for k in range(R):
+                        loo_ratios_into(acc, a, U(k * TILE), top, second, mt, nu_u[k], m)
                 if viewed:
                     for j in range(U(m)):
                         mt[j] = u * (abs(np.float64(r[lo + j])) + w_rms)   # the rounding room
-                    for k in range(R):
+                    if R == 3:
+                        viewed_three_into(acc_rc, acc_own, a, mt, la[0, i], la[1, i], la[2, i], lc, cs,
+                                          U(j0), U(nc + j0), U(2 * nc + j0), rs[0, i], rs[1, i], rs[2, i],
+                                          tot[0], tot[1], tot[2], i_c, i_r, i_n, m)
+                    for k in range(R if R != 3 else 0):
                         ao = U(k * TILE)
                         co = U(k * nc + j0)
                         if R > 1:
