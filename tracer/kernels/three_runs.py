@@ -9,44 +9,10 @@ rounding of float64). Replayed on the 16x comparison's chunks (35.6M elements, o
 
 from __future__ import annotations
 
-import math
-
 import numba
 import numpy as np
 
-from tracer.kernels.loops import INLINE, TILE, U
-
-
-@numba.njit(**INLINE)
-def _up(best, v):
-    """max(best, v), v ignored if NaN (loops.max_into's update)."""
-    return v if v > best else best
-
-
-@numba.njit(**INLINE)
-def _ratio_up(num, den, v, w):
-    """A running ratio (loops.fresh_ratios) taking v / w."""
-    up = v * den > num * w
-    return (v if up else num), (w if up else den)
-
-
-@numba.njit(**INLINE)
-def _top_two(top, second, v):
-    """loops.top_two_into's update of one position."""
-    up = v > top
-    low = top if up else v
-    return (v if up else top), (low if low > second else second)
-
-
-@numba.njit(**INLINE)
-def _own(num, den, v, room, row_sum, col_sum, total, i_c, i_r, i_n):
-    """loops.own_into's update of one position."""
-    sq = v * v
-    a = max(row_sum - sq, 0.0) * i_c
-    b = max(col_sum - sq, 0.0) * i_r
-    mm = max(total - sq, 0.0) * i_n
-    fit = a * b / mm
-    return _ratio_up(num, den, v, math.sqrt(fit if mm > 0.0 else 0.0) + room)
+from tracer.kernels.loops import INLINE, TILE, U, own_up, ratio_up, top_two, up
 
 
 @numba.njit(**INLINE)
@@ -66,10 +32,10 @@ def envelope_three(P, r, lo, m, env_full, env, ea, cs, c0, c1, c2, viewed):
         t0 += rf * d0
         t1 += rf * d1
         t2 += rf * d2
-        e = _up(_up(_up(0.0, abs(d0)), abs(d1)), abs(d2))
+        e = up(up(up(0.0, abs(d0)), abs(d1)), abs(d2))
         env_full[lo + j] = e
         env[lo + j] = e
-        ea[j] = _up(ea[j], e)
+        ea[j] = up(ea[j], e)
     if viewed:
         for j in range(U(m)):
             x = r[lo + j]
@@ -87,13 +53,13 @@ def loo_three_into(acc, a, mt, c0, c1, c2, m):
     num, den = acc[0], acc[1]
     for j in range(U(m)):
         v0, v1, v2 = a[j], a[U(TILE) + j], a[U(2 * TILE) + j]
-        top, second = _top_two(0.0, 0.0, v0)
-        top, second = _top_two(top, second, v1)
-        top, second = _top_two(top, second, v2)
+        top, second = top_two(0.0, 0.0, v0)
+        top, second = top_two(top, second, v1)
+        top, second = top_two(top, second, v2)
         mj = mt[j]
-        n, d = _ratio_up(num[j], den[j], v0, (second if v0 >= top else top) + mj * c0)
-        n, d = _ratio_up(n, d, v1, (second if v1 >= top else top) + mj * c1)
-        n, d = _ratio_up(n, d, v2, (second if v2 >= top else top) + mj * c2)
+        n, d = ratio_up(num[j], den[j], v0, (second if v0 >= top else top) + mj * c0)
+        n, d = ratio_up(n, d, v1, (second if v1 >= top else top) + mj * c1)
+        n, d = ratio_up(n, d, v2, (second if v2 >= top else top) + mj * c2)
         num[j], den[j] = n, d
 
 
@@ -106,11 +72,11 @@ def viewed_three_into(acc_rc, acc_own, a, room, la0, la1, la2, lc, cs, c0, c1, c
     for j in range(U(m)):
         v0, v1, v2 = a[j], a[U(TILE) + j], a[U(2 * TILE) + j]
         w = room[j]
-        n, d = _ratio_up(rn[j], rd[j], v0, la0 * lc[c0 + j] + w)
-        n, d = _ratio_up(n, d, v1, la1 * lc[c1 + j] + w)
-        n, d = _ratio_up(n, d, v2, la2 * lc[c2 + j] + w)
+        n, d = ratio_up(rn[j], rd[j], v0, la0 * lc[c0 + j] + w)
+        n, d = ratio_up(n, d, v1, la1 * lc[c1 + j] + w)
+        n, d = ratio_up(n, d, v2, la2 * lc[c2 + j] + w)
         rn[j], rd[j] = n, d
-        n, d = _own(on[j], od[j], v0, w, rs0, cs[c0 + j], tot0, i_c, i_r, i_n)
-        n, d = _own(n, d, v1, w, rs1, cs[c1 + j], tot1, i_c, i_r, i_n)
-        n, d = _own(n, d, v2, w, rs2, cs[c2 + j], tot2, i_c, i_r, i_n)
+        n, d = own_up(on[j], od[j], v0, w, rs0, cs[c0 + j], tot0, i_c, i_r, i_n)
+        n, d = own_up(n, d, v1, w, rs1, cs[c1 + j], tot1, i_c, i_r, i_n)
+        n, d = own_up(n, d, v2, w, rs2, cs[c2 + j], tot2, i_c, i_r, i_n)
         on[j], od[j] = n, d
