@@ -62,17 +62,22 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
         want = self.reference.shape
         if self.trace.world_size == 1:   # the manifest's shape is the logical one
             if not self._own_shapes:
-                info = self.trace.info
+                info, ref = self.trace.info, self.reference.info
                 for n in names:
-                    if tuple(info[n]["shape"]) != want(n):
+                    if info[n]["shape"] != ref[n]["shape"] and tuple(info[n]["shape"]) != want(n):
                         return None
-        elif any(self.trace.shape(n) != want(n) for n in names):
-            return None
+        else:
+            shape = self.trace.shape
+            for n in names:
+                if shape(n) != want(n):
+                    return None
         whole = stored.span(names)
         if whole is not None and self.replicas is not None:
+            # A span's tensors all have pieces on the same ranks (tracer.rank_spans.plan_chunk): one
+            # record, shared, for all of them.
+            agreed = Assembled(tensor=_NONE, ranks=sorted(rt.rank for rt, _ in stored.pieces(names[0])))
             for n in names:
-                ranks = sorted(rt.rank for rt, _ in stored.pieces(n))
-                self.replicas[n] = Assembled(tensor=_NONE, ranks=ranks)
+                self.replicas[n] = agreed
         return whole
 
     def _mismatched(self, name: str, want: tuple[int, ...], why: str) -> torch.Tensor:

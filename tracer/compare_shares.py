@@ -100,7 +100,7 @@ def measure_share(reference: RunAt, candidate: RunAt, perturbed: Sequence[RunAt]
                   k_elem: float, workers: int | None = None) -> Measured:
     """A share's figures on a worker: its own lazily read runs, restricted to the share's tensors (a
     part is read only if it holds one of them and dropped once those are measured)."""
-    ref, cand, *pert = (load_logical(r.root, r.run, r.world_size, lazy=True)
+    ref, cand, *pert = (load_logical(r.root, r.run, r.world_size, lazy=True, read_first=False)
                         for r in (reference, candidate, *perturbed))
     return measure_keys(ref, cand, pert, keys, k_elem, workers=workers, only=True)
 

@@ -123,7 +123,7 @@ def test_a_chunk_is_read_whole_from_up_to_two_parts_per_rank(tmp_path):
     got = two.span(names[:2])
     assert got is not None and got.dtype == torch.float32 and torch.equal(got, torch.cat(want[:2]))
     read = {(0, two.pieces(n)[0][1]["file"]) for n in names[:2]}
-    assert len(read) == 2 and not read & set(two._parts)   # both parts dropped once their tensors were read
+    assert len(read) == 2 and not read & set(two.parts.held)   # both dropped once their tensors were read
 
 
 def test_records_scaled_by_powers_of_two_are_scaled_exactly_in_the_pass_or_left_to_lookups(tmp_path):

@@ -47,7 +47,7 @@ def test_the_candidates_flipped_tokens_are_counted_with_their_margin(tmp_path):
     assert got.largest_flip_margin < 1e-3 < got.median_margin
     assert "1 of 4 routed tokens" in got.warning()
     # lookups after a comparison's walk keep no part file in memory once the diagnosis is done
-    assert all(not run.tensors._parts for run in (ref, cand, *pert))
+    assert all(not run.tensors.parts.held for run in (ref, cand, *pert))
     # the same runs without the flip: nothing flipped, and nothing to warn about
     clean = routing_flips(_load(tmp_path, "reference"), _load(tmp_path, "perturbed-0"), [], top_k=2)
     assert clean is not None and clean.candidate == 0 and clean.largest_flip_margin == 0.0

@@ -329,6 +329,20 @@ def test_a_run_read_as_the_comparison_walks_it_gives_the_same_figures_holding_fe
     assert lazy.verdict == "fail" and eager.verdict == "fail"
 
 
+def test_a_lazily_opened_run_starts_reading_each_ranks_first_part_which_a_restricted_walk_drops(tmp_path):
+    """The first parts are read while the other runs' manifests load (tracer.part_cache.read_first);
+    a walk of other tensors (per step, a share) drops them unread by it, and a run opened with
+    read_first=False reads nothing until a lookup."""
+    write_run(tmp_path, "candidate", flush_bytes=1, tp=2)   # one part per tensor
+    c = load_logical(str(tmp_path), "candidate", 2, lazy=True)
+    first = {(rank, f"part-{0:05d}.safetensors") for rank in (0, 1)}
+    assert set(c.tensors.parts.held) == first
+    assert {p.result() is not None for p in c.tensors.parts.held.values()} == {True}   # read and verified
+    c.tensors.restrict([c.order[-1]])
+    assert not set(c.tensors.parts.held) & first
+    assert not load_logical(str(tmp_path), "candidate", 2, lazy=True, read_first=False).tensors.parts.held
+
+
 def test_a_corrupt_part_of_a_lazily_read_run_is_an_error_of_the_comparison(traces):
     write_run(traces, "candidate", tp=2)
     part = next((traces / "candidate" / "rank00001").glob("part-*.safetensors"))
