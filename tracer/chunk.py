@@ -22,29 +22,18 @@ class ChunkLayout:
         self.starts = np.array(self.offsets[:-1], dtype=np.int64)
         self.lengths = np.array(self.lens, dtype=np.int64)
 
-    def flat(self, run: Mapping[str, torch.Tensor] | torch.Tensor, names: Sequence[str], dtype: torch.dtype,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-        """The run's tensors of the chunk, flat, in `dtype` (into `out` if given); `run` is a mapping of
-        names to tensors, or the chunk already flat (tracer.logical.StoredTensors.span). Tensors of
-        `dtype` lying back to back in memory are viewed where they lie, not copied."""
-        if isinstance(run, torch.Tensor):
-            pieces = [run]
-        else:
-            pieces = [run[name].reshape(-1) for name in names]
-        if out is None:
-            whole = adjacent(pieces)
-            if whole is not None and whole.dtype == dtype:
-                return whole
-            return torch.cat(pieces).to(dtype)
-        return torch.cat(pieces, out=out)
-
-    def stack(self, runs: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str],
-              dtype: torch.dtype) -> torch.Tensor:
-        """(len(runs), size): each run's chunk flat, one row per run."""
-        out = torch.empty((len(runs), self.size), dtype=dtype)
-        for i, run in enumerate(runs):
-            self.flat(run, names, dtype, out=out[i])
-        return out
+    def flat(self, run: Mapping[str, torch.Tensor] | torch.Tensor, names: Sequence[str],
+             dtype: torch.dtype) -> torch.Tensor:
+        """The run's tensors of the chunk, flat, in `dtype`; `run` is a mapping of names to tensors, or
+        the chunk already flat (tracer.logical.StoredTensors.span). Tensors of `dtype` lying back to
+        back in memory are viewed where they lie, not copied."""
+        if isinstance(run, torch.Tensor):   # flat already (a span): no view of it to make
+            return run if run.dtype == dtype else run.to(dtype)
+        pieces = [run[name].reshape(-1) for name in names]
+        whole = adjacent(pieces)
+        if whole is not None and whole.dtype == dtype:
+            return whole
+        return torch.cat(pieces).to(dtype)
 
     def slice(self, i: int) -> slice:
         """Tensor i's elements in the flat arrays."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -75,9 +76,9 @@ class TensorStats:
     own_noise: float = 0.0     # max_r own_err(p_r)
 
 
-@dataclass(frozen=True)
-class TensorKey:
-    """What the measurement needs to know of a tensor besides its values."""
+class TensorKey(NamedTuple):
+    """What the measurement needs to know of a tensor besides its values (a tuple: a 16x comparison
+    makes 6,113 of them before its walk)."""
 
     name: str
     kind: str
@@ -88,17 +89,17 @@ class TensorKey:
 
 
 class _Excusal:
-    """Per parameter path: the accumulated not-judged mask, the latest gradient deviation, and how far
-    the reference's own optimizer updates moved it (the scale an update flipped by noise can reach)."""
+    """Per parameter path: the not-judged mask, the latest gradient deviation, how far the reference's
+    updates moved it (what a flipped update can reach). numpy: a torch call lets go of the GIL."""
 
-    def __init__(self, k_elem: float, masks: dict[str, torch.Tensor] | None = None):
+    def __init__(self, k_elem: float):
         self.k = k_elem
-        self.masks: dict[str, torch.Tensor] = {} if masks is None else masks   # flat bool
-        self.grad_dev: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}   # (candidate, perturbed) |dg|
-        self.previous: dict[str, torch.Tensor] = {}                       # the reference's last param value
+        self.masks: dict[str, np.ndarray] = {}                            # flat bool
+        self.grad_dev: dict[str, tuple[np.ndarray, np.ndarray]] = {}      # (candidate, perturbed) |dg|
+        self.previous: dict[str, np.ndarray] = {}                         # the reference's last param value
         self.updates: dict[str, float] = {}                               # sum over steps of max |update|
 
-    def add(self, path: str, mask: torch.Tensor) -> None:
+    def add(self, path: str, mask: np.ndarray) -> None:
         prev = self.masks.get(path)
         self.masks[path] = mask if prev is None or prev.shape != mask.shape else prev | mask
 
@@ -133,7 +134,7 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
     `prepared`: `prepare`'s reference sides (same keys and runs): a chunk found there reads only the
     candidate. Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py)."""
-    excusal, prepared = _Excusal(k_elem, excused_masks), prepared or {}
+    excusal, prepared = _Excusal(k_elem), prepared or {}
 
     def load(chunk: list[TensorKey]) -> tuple[ReferenceSide | None, list[Run]]:
         names = [k.name for k in chunk]
@@ -156,6 +157,8 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
         for figures in ordered_map(_chunks(keys, chunk_elems), load, work, touches,
                                    default_workers() if workers is None else workers):
             out.update(figures)
+    if excused_masks is not None:
+        excused_masks.update({path: torch.from_numpy(m) for path, m in excusal.masks.items()})
     return out
 
 
@@ -172,7 +175,7 @@ def prepare(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
                 dtype = _dtype(names, [reference, *perturbed])
                 out[names[0]] = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk],
                                                layout, dtype, layout.flat(reference, names, dtype),
-                                               layout.stack(perturbed, names, dtype))
+                                               [layout.flat(p, names, dtype) for p in perturbed])
     return out
 
 
@@ -203,7 +206,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
         dtype = _dtype(names, [reference, candidate, *perturbed])
         layout = ChunkLayout([k.numel for k in chunk])
         r = layout.flat(reference, names, dtype)
-        ps = layout.stack(perturbed, names, dtype)
+        ps = [layout.flat(p, names, dtype) for p in perturbed]
     c = layout.flat(candidate, names, dtype)
     n = len(names)
 
@@ -215,32 +218,32 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
     excused, excused_dev, env_max, beyond, beyond_noise = [0] * n, [0.0] * n, [0.0] * n, [0] * n, [0] * n
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
-        judged = torch.ones(layout.size, dtype=torch.bool)
-        none = np.zeros(0)
+        judged = np.ones(layout.size)   # 1.0 / 0.0 per element (the kernels' form), written per param
+        r_np, c_np, none = r.numpy(), c.numpy(), np.zeros(0)
+        p_runs = kernels.runs([p.numpy() for p in ps], r_np)
         for i, k in params:
             sl = layout.slice(i)
-            r_now = r[sl]
             before = excusal.previous.get(k.path)
-            if before is not None and before.numel() == k.numel:
-                step_max = float((r_now - before.to(dtype)).abs().max()) if k.numel else 0.0
-                excusal.updates[k.path] = excusal.updates.get(k.path, 0.0) + step_max
-            excusal.previous[k.path] = r_now.clone()
-            updates[i] = excusal.updates.get(k.path, math.nan)
+            moved = before is not None and before.size == k.numel
+            keep = excusal.previous[k.path] = np.empty(k.numel, r_np.dtype)
             dev = excusal.grad_dev.get(k.path)
-            explain = len(ps) > 0 and dev is not None and dev[0].numel() == k.numel
+            explain = len(ps) > 0 and dev is not None and dev[0].size == k.numel
             mask = excusal.masks.get(k.path)
-            if mask is None or mask.numel() != k.numel:
-                mask = torch.zeros(k.numel, dtype=torch.bool)
+            if mask is None or mask.size != k.numel:
+                mask = np.zeros(k.numel, np.bool_)
                 known = False
             else:
                 known = True
-            added, env_max[i], absmax[i], excused[i], excused_dev[i], beyond[i], beyond_noise[i] = \
-                kernels.excusal.param(r.numpy(), ps.numpy(), c.numpy(), np.uint64(sl.start), k.numel,
-                                      mask.numpy(), dev[0].numpy() if explain else none,
-                                      dev[1].numpy() if explain else none, explain, excusal.k, k.unit)
+            (added, env_max[i], absmax[i], excused[i], excused_dev[i], beyond[i], beyond_noise[i],
+             step_max) = kernels.excusal.param(
+                r_np, p_runs, len(ps), c_np, np.uint64(sl.start), k.numel, mask,
+                dev[0] if explain else none, dev[1] if explain else none, explain, excusal.k, k.unit,
+                before.astype(r_np.dtype, copy=False) if moved else keep[:0], keep, judged)
+            if moved:
+                excusal.updates[k.path] = excusal.updates.get(k.path, 0.0) + step_max
+            updates[i] = excusal.updates.get(k.path, math.nan)
             if known or added:
                 excusal.masks[k.path] = mask
-                judged[sl] = ~mask
     if side is None:
         side = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk], layout, dtype, r, ps,
                               judged)
@@ -267,27 +270,29 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue
-            near = torch.empty(k.numel, dtype=torch.bool)
-            dev, env = torch.empty(k.numel, dtype=torch.float64), torch.empty(k.numel, dtype=torch.float64)
+            near, dev, env = np.empty(k.numel, np.bool_), np.empty(k.numel), np.empty(k.numel)
             room, lo = float((side.noise[i] + k.unit) * side.rms[i]), np.uint64(layout.offsets[i])
             kernels.excusal.gradient(r.numpy(), c.numpy(), side.env_full.numpy(), lo, k.numel, excusal.k,
-                                     room, near.numpy(), dev.numpy(), env.numpy())
+                                     room, near, dev, env)
             excusal.add(k.path, near)
             excusal.grad_dev[k.path] = (dev, env)
 
-    return {k.name: TensorStats(rel_err=float(rel[i]), max_err=float(max_err[i]), cosine=float(cos[i]),
-                                nonfinite=int(nonfinite[i]), ref_nonfinite=int(side.ref_nonfinite[i]),
-                                perturbed_nonfinite=int(side.pert_nonfinite[i]), noise=float(side.noise[i]),
-                                elem_noise=float(side.elem_noise[i]), max_noise=float(side.max_noise[i]),
-                                elem_err=float(elem_err[i]), excused=excused[i], moved=side.moved[i],
-                                excused_dev=excused_dev[i], env_max=env_max[i], beyond=beyond[i],
-                                beyond_noise=beyond_noise[i], updates=updates[i], absmax=absmax[i],
-                                scale_err=float(scale_err[i]), scale_noise=float(side.scale_noise[i]),
-                                scale_mean=float(side.scale_mean[i]),
-                                scale_spread=float(side.scale_spread[i]),
-                                rowcol_err=float(rc_err[i]), rowcol_noise=float(rc.noise[i]),
-                                own_err=float(own_err[i]), own_noise=float(rc.own_noise[i]))
-            for i, k in enumerate(chunk)}
+    # Plain floats and ints per tensor (tolist, not float() per element: 6,113 tensors at 16x).
+    (rel, max_err, cos, elem_err, scale_err, rc_err, own_err, noise, elem_noise, max_noise, scale_noise,
+     scale_mean, scale_spread, rc_noise, own_noise) = (a.tolist() for a in (
+        rel, max_err, cos, elem_err, scale_err, rc_err, own_err, side.noise, side.elem_noise, side.max_noise,
+        side.scale_noise, side.scale_mean, side.scale_spread, rc.noise, rc.own_noise))
+    nonfinite, ref_nf, pert_nf = (np.asarray(a).astype(np.int64).tolist()
+                                  for a in (nonfinite, side.ref_nonfinite, side.pert_nonfinite))
+    return {k.name: TensorStats(rel_err=rel[i], max_err=max_err[i], cosine=cos[i], nonfinite=nonfinite[i],
+                                ref_nonfinite=ref_nf[i], perturbed_nonfinite=pert_nf[i], noise=noise[i],
+                                elem_noise=elem_noise[i], max_noise=max_noise[i], elem_err=elem_err[i],
+                                excused=excused[i], moved=side.moved[i], excused_dev=excused_dev[i],
+                                env_max=env_max[i], beyond=beyond[i], beyond_noise=beyond_noise[i],
+                                updates=updates[i], absmax=absmax[i], scale_err=scale_err[i],
+                                scale_noise=scale_noise[i], scale_mean=scale_mean[i],
+                                scale_spread=scale_spread[i], rowcol_err=rc_err[i], rowcol_noise=rc_noise[i],
+                                own_err=own_err[i], own_noise=own_noise[i]) for i, k in enumerate(chunk)}
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

@@ -73,12 +73,12 @@ class ReferenceSide:
 
 
 def reference_side(names: Sequence[str], units: Sequence[float], shapes: Sequence[tuple[int, int] | None],
-                   layout: ChunkLayout, dtype: torch.dtype, r: torch.Tensor, ps: torch.Tensor,
-                   judged: torch.Tensor | None = None) -> ReferenceSide:
-    """The figures of the reference r (flat) and the perturbed runs ps ((R, size): ChunkLayout.stack)
-    over the judged elements: all of them, or for a chunk with excused parameter elements those where
-    `judged` (flat bool) holds."""
-    runs = ps.shape[0]
+                   layout: ChunkLayout, dtype: torch.dtype, r: torch.Tensor, ps: Sequence[torch.Tensor],
+                   judged: np.ndarray | None = None) -> ReferenceSide:
+    """The figures of the reference r and the perturbed runs ps (each flat, ChunkLayout.flat) over the
+    judged elements: all of them, or for a chunk with excused parameter elements those where `judged`
+    (flat, float64) is 1.0."""
+    runs = len(ps)
     rows = np.array([s[0] if s is not None and runs else 0 for s in shapes], dtype=np.int64)
     cols = np.array([s[1] if s is not None and runs else 0 for s in shapes], dtype=np.int64)
     a_off = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
@@ -86,14 +86,14 @@ def reference_side(names: Sequence[str], units: Sequence[float], shapes: Sequenc
     a_all, cf_all = np.zeros(int(a_off[-1])), np.zeros(int(c_off[-1]))
     env_full = torch.empty_like(r)
     env = env_full if judged is None else torch.empty_like(r)
-    mask = _ALL if judged is None else judged.numpy().astype(np.float64)
+    mask = _ALL if judged is None else judged
     units_a = np.asarray(units, dtype=np.float64)
     (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
      ref_nf, pert_nf, moved, rc_rms, rc_noise, own_noise) = kernels.reference_side(
-        r.numpy(), ps.numpy(), mask, layout.starts, layout.lengths, units_a, rows, cols, a_off, c_off,
+        r.numpy(), kernels.runs([p.numpy() for p in ps], r.numpy()), runs, mask,
+        layout.starts, layout.lengths, units_a, rows, cols, a_off, c_off,
         env.numpy(), env_full.numpy(), a_all, cf_all)
     return ReferenceSide(tuple(names), runs, dtype, layout, r, env_full, env, mask, rn2, rn_eff, r_absmax,
                          rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
-                         ref_nf, pert_nf,
-                         moved.tolist(), units_a,
+                         ref_nf, pert_nf, moved.tolist(), units_a,
                          RowCol(rows, cols, a_off, c_off, a_all, cf_all, rc_rms, rc_noise, own_noise))

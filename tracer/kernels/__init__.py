@@ -25,8 +25,11 @@ three runs' values of a position in registers (three_runs.py), not once per run 
 between runs kept in arrays: 15.7 -> 8.0 ns per element on the 16x comparison's chunks.
 
 A chunk holds its tensors back to back (tracer/chunk.py: tensor t at `starts[t]`, `lens[t]`
-elements). The functions release the GIL: chunks are measured on several
-threads (tracer/chunk_pool.py). Compiled once per machine and cached under
+elements); each run's chunk is read where it lies, most often a view of its part (`runs`). The
+functions release the GIL: chunks are measured on several threads (tracer/chunk_pool.py). What is
+left around them is Python on those threads and on the one that feeds them, and that, not the
+arithmetic, bounds a 16x comparison's walk on 2 cores: 0.09 s of pure Python run beside it made
+it 0.1 s longer (docs/scale.md section 4). Compiled once per machine and cached under
 __pycache__/ttrace-kernels-<digest of these files> (numba's cache, `_cache_dir`); `warm_up` loads
 them in a fresh process (~0.5 s) before a comparison needs them.
 """
@@ -34,6 +37,7 @@ them in a fresh process (~0.5 s) before a comparison needs them.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import numba
@@ -61,7 +65,20 @@ try:
 finally:
     numba.config.CACHE_DIR = _user_dir
 
-__all__ = ["candidate", "excusal", "reference_side", "warm_up"]
+__all__ = ["candidate", "excusal", "reference_side", "runs", "warm_up"]
+
+FUSED_RUNS = 3   # the perturbed runs the reference side's fused loops take (three_runs.py)
+
+
+def runs(perturbed: Sequence[np.ndarray], like: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The perturbed runs' flat arrays as the kernels take them (P, with their count R beside it): a
+    tuple of arrays of one type, read where they lie (stacking them into one (R, N) array copied
+    0.07 s of a 16x comparison), padded with `like` (never read) to the FUSED_RUNS the fused loops
+    index, so that one compiled kernel serves 0 to 3 runs (tolerance.perturbations above 3 compiles
+    its own on first use: 26 s here for both dtypes, then cached). An array numba would type otherwise
+    (unaligned, read-only) is copied."""
+    want = lambda a: np.require(a, like.dtype, ("C", "A", "W"))
+    return tuple(map(want, perturbed)) + (want(like),) * (FUSED_RUNS - len(perturbed))
 
 
 def prune_stale_caches() -> list[Path]:
@@ -95,11 +112,12 @@ def warm_up(dtypes: tuple[str, ...] = ("float32", "float64"), gathers: bool = Tr
         if np.dtype(dtype).name not in dtypes:
             continue
         x, f8, flags = np.zeros(1, dtype), np.zeros(1), np.zeros(1, np.bool_)
-        side = reference_side(x, x.reshape(1, 1), none, zero, one, f8, zero, zero, offsets, offsets,
+        side = reference_side(x, runs([x], x), 1, none, zero, one, f8, zero, zero, offsets, offsets,
                               x.copy(), x.copy(), f8.copy(), f8.copy())
         candidate(x, x, x, none, zero, one, f8, side[3], side[4], zero, zero, offsets, offsets, f8, f8,
                   side[14])
         excusal.gradient(x, x, x, at, 1, 1.0, 0.0, flags, f8.copy(), f8.copy())
-        excusal.param(x, x.reshape(1, 1), x, at, 1, flags, none, none, False, 1.0, 1.0)
+        excusal.param(x, runs([x], x), 1, x, at, 1, flags, none, none, False, 1.0, 1.0, x[:0], x.copy(),
+                      f8.copy())
         moments.moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint), np.uint64(x.ctypes.data),
                         zero, one * x.itemsize, np.zeros(1, np.uint64))

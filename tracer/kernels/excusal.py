@@ -28,22 +28,29 @@ def gradient(r, c, env_full, lo, n, k, room, near, dev, env):
 
 
 @numba.njit(**JIT)
-def param(r, P, c, lo, n, mask, c_dg, p_dg, explain, k, unit):
-    """A post-step param of n elements at lo. With `explain`, mask (bool, n) gains the elements whose
-    deviation the candidate's gradient deviation c_dg explains: 0 < |c - r| <= k x gain x c_dg, gain
-    the perturbed runs' parameter envelope over their gradient envelope p_dg. Returns (added,
-    env_max, absmax, excused, excused_dev, beyond, beyond_noise): the perturbed runs' largest move
-    and the reference's largest element; over the excused (masked) elements their count, their
-    largest |c - r| (NaN propagates), how many lie beyond k x their envelope (one ulp of room where no
-    run moved them), and the most any perturbed run has beyond the others' envelope."""
-    R = P.shape[0]
-    added, env_max, absmax = 0, 0.0, 0.0
+def param(r, P, R, c, lo, n, mask, c_dg, p_dg, explain, k, unit, before, keep, judged):
+    """A post-step param of n elements at lo (P[:R] the perturbed runs, tracer.kernels.runs). With
+    `explain`, mask (bool, n) gains the elements whose deviation the candidate's gradient deviation
+    c_dg explains: 0 < |c - r| <= k x gain x c_dg, gain the perturbed runs' parameter envelope over
+    their gradient envelope p_dg. Written: keep (n,) the reference's values (the next step's
+    `before`), judged[lo:][:n] 0.0 at the masked elements and 1.0 elsewhere. Returns (added,
+    env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max): the perturbed runs'
+    largest move and the reference's largest element; over the excused (masked) elements their
+    count, their largest |c - r| (NaN propagates), how many lie beyond k x their envelope (one ulp of
+    room where no run moved them), and the most any perturbed run has beyond the others' envelope;
+    the reference's largest move from `before` (its previous step's values; 0 without them), in
+    r's dtype as torch's (r - before).abs().max() (NaN propagates)."""
+    added, env_max, absmax, step_max = 0, 0.0, 0.0, 0.0
+    moved = before.shape[0] == n
     for j in range(U(n)):
         at = lo + j
         rv = r[at]
+        keep[j] = rv
+        if moved:
+            step_max = nanmax(step_max, abs(rv - before[j]))
         e = 0.0
         for q in range(R):
-            e = max(e, abs(np.float64(P[q, at] - rv)))
+            e = max(e, abs(np.float64(P[q][at] - rv)))
         env_max = max(env_max, e)
         absmax = max(absmax, abs(np.float64(rv)))
         if explain and not mask[j]:
@@ -52,6 +59,7 @@ def param(r, P, c, lo, n, mask, c_dg, p_dg, explain, k, unit):
             if d > 0.0 and c_dg[j] > 0.0 and d <= k * gain * c_dg[j]:
                 mask[j] = True
                 added += 1
+        judged[at] = 0.0 if mask[j] else 1.0
     excused, excused_dev, beyond = 0, 0.0, 0
     noise = np.zeros(R, dtype=np.int64)
     for j in range(U(n)):
@@ -65,7 +73,7 @@ def param(r, P, c, lo, n, mask, c_dg, p_dg, explain, k, unit):
         room = abs(np.float64(rv)) * unit
         e = 0.0
         for q in range(R):
-            e = max(e, abs(np.float64(P[q, at] - rv)))
+            e = max(e, abs(np.float64(P[q][at] - rv)))
         if d > k * max(e, room):
             beyond += 1
         if R > 1:
@@ -73,7 +81,7 @@ def param(r, P, c, lo, n, mask, c_dg, p_dg, explain, k, unit):
                 others = 0.0
                 for q2 in range(R):
                     if q2 != q:
-                        others = max(others, abs(np.float64(P[q2, at] - rv)))
-                if abs(np.float64(P[q, at] - rv)) > k * max(others, room):
+                        others = max(others, abs(np.float64(P[q2][at] - rv)))
+                if abs(np.float64(P[q][at] - rv)) > k * max(others, room):
                     noise[q] += 1
-    return added, env_max, absmax, excused, excused_dev, beyond, noise.max() if R > 1 else 0
+    return added, env_max, absmax, excused, excused_dev, beyond, noise.max() if R > 1 else 0, step_max

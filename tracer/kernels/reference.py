@@ -28,22 +28,22 @@ from tracer.kernels.three_runs import envelope_three, loo_three_into, viewed_thr
 
 
 @numba.njit(**JIT)
-def reference_side(r, P, judged, starts, lens, units, rows, cols, a_off, c_off,
+def reference_side(r, P, R, judged, starts, lens, units, rows, cols, a_off, c_off,
                    env, env_full, a_all, cf_all):
     """Everything of a chunk's figures that needs no candidate (tracer/reference_side.py).
 
-    r (N,) the reference, P (R, N) the perturbed runs, judged (N,) 1.0/0.0 or (0,) for all:
-    elements of post-step params left out by the Adam excusal. Per tensor t: units[t] its unit
-    roundoff, rows[t] x cols[t] its row-column view (rows 0: not judged that way; never with
-    `judged`). Written: env (N,) max_r |p_r - r| over judged elements (0 elsewhere), env_full (N,)
-    over all (may be env itself), and for row-column tensors the all-runs row factors
-    a_i = sqrt(A_i / (R T)) at a_all[a_off[t]:] and column factors sqrt(B_j) at cf_all[c_off[t]:].
+    r (N,) the reference, P[:R] the perturbed runs (tracer.kernels.runs: flat (N,) arrays), judged
+    (N,) 1.0/0.0 or (0,) for all: elements of post-step params left out by the Adam excusal. Per
+    tensor t: units[t] its unit roundoff, rows[t] x cols[t] its row-column view (rows 0: not judged
+    that way; never with `judged`). Written: env (N,) max_r |p_r - r| over judged elements (0
+    elsewhere), env_full (N,) over all (may be env itself), and for row-column tensors the all-runs
+    row factors a_i = sqrt(A_i / (R T)) at a_all[a_off[t]:] and column factors sqrt(B_j) at
+    cf_all[c_off[t]:].
     Returns per-tensor float64 arrays (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise,
     scale_noise, scale_mean, scale_spread, ref_nonfinite, pert_nonfinite, moved, rc_rms, rc_noise,
     own_noise): scale_* of the runs' projections <p_r - r, r> / ||r||^2 (largest magnitude, mean,
     largest minus smallest)."""
     T = starts.shape[0]
-    R = P.shape[0]
     masked = judged.shape[0] > 0
     out = np.zeros((16, T))
     (rn2, rn_eff, r_absmax, rms, nu, noise, max_noise, elem_noise, scale_noise, scale_mean, scale_spread,
