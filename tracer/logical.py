@@ -128,8 +128,11 @@ class StoredTensors(Mapping[str, Assembled]):
                                          f"part {e.get('file')}, which it does not commit; the trace is "
                                          "incomplete, rerun the job")
                     part.add(e["key"])
-                pieces.setdefault(name, []).append((rt, e))
-                info.setdefault(name, e)
+                got = pieces.get(name)
+                if got is None:
+                    pieces[name], info[name] = [(rt, e)], e
+                else:
+                    got.append((rt, e))
         self.parts = PartCache(run, ranks, keys)
         self._layouts: dict[str, Layout] = {}                  # name -> parsed layout (parsed once)
         self.stored_bytes = sum(int(f["bytes"]) for rt in ranks for f in rt.manifest["files"])

@@ -46,20 +46,22 @@ class ChunkPlan:
 
 def plan_chunk(names: Sequence[str], pieces_of: Callable[[str], Pieces],
                sizes: Mapping[str, int]) -> ChunkPlan | None:
-    """The chunk's plan, or None where it needs a lookup per tensor (module doc)."""
+    """The chunk's plan, or None where it needs a lookup per tensor (module doc). `pieces_of(name)`
+    lists a tensor's pieces in rank order (tracer.logical.StoredTensors.pieces)."""
     plan = ChunkPlan()
-    used = plan.used
+    used, coords = plan.used, {}
     for t, name in enumerate(names):
         pieces = pieces_of(name)
         ranks = [rt.rank for rt, _ in pieces]
         if t == 0:
-            if any(e.get("file") is None for _, e in pieces):   # statistics only (trace.mode=stats)
+            # statistics only (trace.mode=stats), or pieces out of rank order: looked up one by one
+            if any(e.get("file") is None for _, e in pieces) or ranks != sorted(ranks):
                 return None
-            plan.ranks = sorted(ranks)
+            plan.ranks = ranks
             for rt, e in pieces:
                 plan.keys[rt.rank], plan.files[rt.rank], plan.copies[rt.rank] = [], (rt, e.get("file")), []
-                used[rt.rank] = 0
-        elif sorted(ranks) != plan.ranks:
+                used[rt.rank], coords[rt.rank] = 0, rt.manifest["coords"]
+        elif ranks != plan.ranks:
             return None
         first = pieces[0][1]
         layout, shape = first["layout"], first["shape"]
@@ -76,14 +78,14 @@ def plan_chunk(names: Sequence[str], pieces_of: Callable[[str], Pieces],
         n = math.prod(shape)
         outer, inner = math.prod(shape[:dim]), math.prod(shape[dim:])
         kept: dict[int, tuple[int, int]] = {}   # coordinate -> (rank, span offset) of its first piece
-        for rt, e in sorted(pieces, key=lambda p: p[0].rank):
+        for rt, e in pieces:
             if (e.get("file") != plan.files[rt.rank][1] or float(e.get("scale", 1.0)) != scale
                     or e["shape"] != shape or e["layout"] != layout):
                 return None
             rank, at = rt.rank, used[rt.rank]
             plan.keys[rank].append(e["key"])
             used[rank] = at + n
-            j = 0 if axis is None else int(rt.manifest["coords"].get(axis, 0))
+            j = 0 if axis is None else int(coords[rank].get(axis, 0))
             if j in kept:
                 plan.replicas.setdefault((kept[j][0], rank), []).append((kept[j][1], at, n, t))
             else:
