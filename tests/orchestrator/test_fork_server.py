@@ -311,8 +311,17 @@ def test_a_dead_fork_server_is_started_anew_once_however_many_rank_tasks_find_it
 
 
 def _children():
-    return [int(p) for task in os.listdir("/proc/self/task")
-            for p in open(f"/proc/self/task/{task}/children").read().split()]
+    """This process's children, by every process's parent field (/proc/<pid>/stat): the per-thread
+    /proc/self/task/*/children lists are documented as unreliable while children come and go."""
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
+        except OSError:   # ended meanwhile
+            continue
+        if stat and int(stat.rpartition(")")[2].split()[1]) == me:
+            out.append(int(entry))
+    return out
 
 
 def _is_server(pid):
