@@ -83,10 +83,10 @@ def judge(reference: LogicalTrace, keys: Sequence[TensorKey], stats: Mapping[str
         e, st, got, shape = info[name], stats[name], replicas[name], reference.shape(name)
         dtype, kind, module = e["dtype"], e["kind"], e["module"]
         banded = draws and int(e["step"]) < first + BANDED_STEPS
+        noise, e_noise, rc_noise, own_noise, spread = pooled[fam]
         at = (fam, dtype, shape, module)
         tols = shared.get(at)
         if tols is None:
-            noise, e_noise, rc_noise, own_noise, spread = pooled[fam]
             tols = shared[at] = (
                 policy.tolerance([noise], dtype), policy.elem_tolerance([e_noise], key.numel),
                 policy.rowcol_tolerance([rc_noise], key.rowcol),
@@ -96,7 +96,6 @@ def judge(reference: LogicalTrace, keys: Sequence[TensorKey], stats: Mapping[str
                 # unbounded at the family's scale for every mean (not judged that way, not draws)
                 policy.scale_band(0.0, spread, noise, dtype, kind, shape, banded) == _UNBOUNDED)
         tol, elem_tol, rowcol_tol, scale_tol, analytic, own_tol, joint_tol, unbounded = tols
-        noise, spread = pooled[fam][0], pooled[fam][4]
         res = TensorResult(
             name=name, module=module, module_type=e.get("module_type", ""), kind=kind,
             step=e["step"], microbatch=e["microbatch"], index=index,

@@ -195,11 +195,17 @@ class StoredTensors(Mapping[str, Assembled]):
             if whole is None:
                 return None
             pieces.append(whole)
-            held += [(part, len(group)) for _, part in parts]
-        out = joined(pieces)
-        for part, n in held if out is not None else ():
+            held += [(part, len(group)) for part in parts]
+        return self._joined(pieces, held)
+
+    def _joined(self, pieces: list[torch.Tensor | None], held: list[tuple[tuple[int, str], int]]
+                ) -> torch.Tensor | None:
+        """A span's pieces joined (rank_spans.joined), and its parts' tensors counted as assembled
+        (`held`: (part, tensors)); None, counting nothing, if a piece or the join failed."""
+        whole = None if any(p is None for p in pieces) else joined(pieces)
+        for part, n in held if whole is not None else ():
             self.parts.consumed(part, n)
-        return out
+        return whole
 
     def restrict(self, names: Sequence[str] | None) -> None:
         """The walk looks up `names` only (None: every tensor again; `release` first): a part is read
@@ -211,13 +217,13 @@ class StoredTensors(Mapping[str, Assembled]):
                     wanted[rt.rank, e["file"]] = wanted.get((rt.rank, e["file"]), 0) + 1
         self.parts.restrict(wanted)
 
-    def _assembled(self, names: Sequence[str]) -> tuple[list[tuple[RankTrace, Any]], torch.Tensor | None]:
+    def _assembled(self, names: Sequence[str]) -> tuple[list[tuple[int, str]], torch.Tensor | None]:
         """A multi-rank run's span of one dtype: (its ranks' parts, the chunk reassembled), or ([], None)."""
         plan = plan_chunk(names, self._pieces.__getitem__, self.sizes)
         if plan is None:
             return [], None
-        parts = [(rt, (rank, file)) for rank, (rt, file) in plan.files.items()]
-        spans = {p[0]: self.parts.get(p).span(plan.keys[p[0]]) for rt, p in parts}
+        parts = [(rank, file) for rank, (_, file) in plan.files.items()]
+        spans = {rank: self.parts.get((rank, file)).span(plan.keys[rank]) for rank, file in parts}
         return parts, assemble_chunk(plan, spans, len(names))
 
     def _single(self, names: Sequence[str]) -> torch.Tensor | None:
@@ -225,7 +231,7 @@ class StoredTensors(Mapping[str, Assembled]):
         of it. One pass over the names: it runs for every chunk of every reference run, on the thread
         that feeds every measuring thread."""
         pieces, sizes = self._pieces, self.sizes
-        groups: list[tuple[Any, str, list[str]]] = []   # (RankTrace, part file, keys) per run of pieces
+        groups: list[tuple[tuple[int, str], list[str]]] = []   # (part, keys) per run of pieces
         keys: list[str] = []
         last: tuple[Any, Any] | None = None
         for name in names:
@@ -237,15 +243,12 @@ class StoredTensors(Mapping[str, Assembled]):
             at = (e.get("file"), e.get("dtype"))
             if at != last:
                 last, keys = at, []
-                groups.append((rt, at[0], keys))
+                groups.append(((rt.rank, at[0]), keys))
             keys.append(e["key"])
-        if len({file for _, file, _ in groups}) > 2:   # before any part is read
+        if len({part for part, _ in groups}) > 2:   # before any part is read
             return None
-        out = [self.parts.get((rt.rank, file)).span(keys) for rt, file, keys in groups]
-        whole = None if any(v is None for v in out) else joined(out)
-        for rt, file, keys in groups if whole is not None else ():
-            self.parts.consumed((rt.rank, file), len(keys))
-        return whole
+        return self._joined([self.parts.get(part).span(keys) for part, keys in groups],
+                            [(part, len(keys)) for part, keys in groups])
 
     def release(self) -> None:
         """Drop every part held (PartCache.release)."""

@@ -208,7 +208,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
         r = layout.flat(reference, names, dtype)
         ps = [layout.flat(p, names, dtype) for p in perturbed]
     c = layout.flat(candidate, names, dtype)
-    n = len(names)
+    n, r_np, c_np = len(names), r.numpy(), c.numpy()
 
     # Params (never in a prepared chunk): update each path's mask with the elements its gradient
     # deviation explains, then judge the elements outside the mask with the figures below, and the
@@ -219,8 +219,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
         judged = np.ones(layout.size)   # 1.0 / 0.0 per element (the kernels' form), written per param
-        r_np, c_np, none = r.numpy(), c.numpy(), np.zeros(0)
-        p_runs = kernels.runs([p.numpy() for p in ps], r_np)
+        none, p_runs = np.zeros(0), kernels.runs([p.numpy() for p in ps], r_np)
         for i, k in params:
             sl = layout.slice(i)
             before = excusal.previous.get(k.path)
@@ -251,7 +250,7 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
     # The candidate against the reference side: every figure over the judged elements.
     rc = side.rowcol
     dc2, dc_max, r_dc, elem_err, nonfinite, rc_err, own_err = kernels.candidate(
-        c.numpy(), r.numpy(), side.env.numpy(), side.judged, layout.starts, layout.lengths,
+        c_np, r_np, side.env.numpy(), side.judged, layout.starts, layout.lengths,
         side.units, side.rms, side.nu, rc.rows, rc.cols, rc.a_off, rc.c_off, rc.a_all, rc.cf_all, rc.rms)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = _ratio(np.sqrt(dc2), side.rn_eff)
@@ -266,14 +265,14 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
 
     # param_grad: elements within noise of zero, and the per-element deviations a later param's
     # excusal is measured against (unmasked: a gradient is always judged whole).
+    env_full = side.env_full.numpy()
     if side.runs:
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue
             near, dev, env = np.empty(k.numel, np.bool_), np.empty(k.numel), np.empty(k.numel)
             room, lo = float((side.noise[i] + k.unit) * side.rms[i]), np.uint64(layout.offsets[i])
-            kernels.excusal.gradient(r.numpy(), c.numpy(), side.env_full.numpy(), lo, k.numel, excusal.k,
-                                     room, near, dev, env)
+            kernels.excusal.gradient(r_np, c_np, env_full, lo, k.numel, excusal.k, room, near, dev, env)
             excusal.add(k.path, near)
             excusal.grad_dev[k.path] = (dev, env)
 
