@@ -194,17 +194,32 @@ class Tracer:
     def _record_params(self, model: nn.Module, kind: str) -> None:
         if not self.enabled:
             return
-        known = self.__dict__.setdefault("_renamed", {})   # local name -> (global name, layout, type)
+        want = self._kinds is None or kind in self._kinds
+        step = self._step
+        if want and step is None:
+            raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")
+        # What `record` does, with each parameter's constant fields made once: a step records every
+        # parameter twice, on the training thread's path.
+        known = self.__dict__.setdefault("_renamed", {})   # local name -> (name, layout, json, module, type)
         signs = self._signs if kind == "param_grad" else None
+        add, grads = self._writer.add, kind == "param_grad"
         for pname, p in model.named_parameters():
-            t = p if kind == "param" else getattr(p, "main_grad", None)
-            t = p.grad if t is None and kind == "param_grad" else t
-            if t is None:
-                continue
-            if pname not in known:   # renaming (a regex per name) once, not at every record
-                known[pname] = (self._rename(pname), *self._params.get(pname, (_REPLICATE, "")))
-            name, layout, mtype = known[pname]
-            self.record(name, kind, t, layout, module_type=mtype)
+            t = p
+            if grads:
+                t = getattr(p, "main_grad", None)
+                if t is None:
+                    t = p.grad
+                    if t is None:
+                        continue
+            rec = known.get(pname)
+            if rec is None:   # renaming (a regex per name) once, not at every record
+                name = self._rename(pname)
+                layout, mtype = self._params.get(pname, (_REPLICATE, ""))
+                rec = known[pname] = (name, layout, _layout_json(layout), name.rpartition(".")[0], mtype)
+            name, layout, lay, module, mtype = rec
+            if want:   # canonical_name, tracer.writer.FIELDS
+                add((f"{step}/-/{name}/{kind}", module, mtype, kind, step, None, self._seq, lay, 1.0), t)
+                self._seq += 1
             if signs is not None:   # after the record: the traced grad is the run's own
                 signs.take(canonical_name(self._step, None, name, "param_grad"), layout, t)
         if signs is not None:

@@ -140,10 +140,11 @@ _memmove.restype = ctypes.c_void_p
 
 _OWN_BYTES = (torch.Tensor, torch.nn.Parameter)   # types whose values lie at data_ptr() (not a subclass
                                                    # wrapping others, as DTensor does)
-_STRIDES: dict[torch.Size, tuple[int, ...]] = {}   # contiguous strides per shape (shapes repeat every step)
+_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}   # contiguous strides per shape (shapes repeat)
+_COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
 
-def _strides(shape: torch.Size) -> tuple[int, ...]:
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, n = [], 1
     for d in reversed(shape):
         out.append(n)
@@ -152,25 +153,25 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return strides
 
 
-def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | None,
-             keep: bool = True) -> bool:
-    """Copy `tensor`'s values into the part at the next offset aligned to its element size; False if
+def snapshot(part: Part, row: int, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
+             copier: DeviceCopier | None, keep: bool = True) -> bool:
+    """Copy `tensor`'s values (its `dtype` and `shape`, which the caller has read once for both the
+    snapshot and its record) into the part at the next offset aligned to its element size; False if
     it does not fit (the caller starts a new part). The training thread's hot path, no allocation: a
     dense host tensor is one memmove of its bytes, any other tensor two torch calls (a view of the
-    slab, the copy)."""
-    dtype = tensor.dtype
+    slab, the copy). Every torch call here costs 60-120 ns, about twice that amid a training step."""
     size = dtype.itemsize
-    nbytes = tensor.numel() * size
+    nbytes = tensor.nbytes
     off = -(-part.used // size) * size
     if off + nbytes > part.capacity:
         return False
-    shape = tensor.shape
     if (nbytes and type(tensor) in _OWN_BYTES and tensor.is_cpu and tensor.is_contiguous()
-            and not (tensor.is_neg() or tensor.is_conj())):
+            and not tensor.is_neg() and (dtype not in _COMPLEX or not tensor.is_conj())):
         # The per-call cost of `as_strided` + `copy_` dominates for the ~25 KB tensors a small model
         # traces: gpt_tiny's snapshots took 9 ms of a step that way, 5 ms as memmoves. Plain tensors
         # only: a subclass (DTensor) has no bytes of its own at data_ptr(); lazy negation or
-        # conjugation, no bytes that are its values. A Parameter is a plain tensor with its own bytes.
+        # conjugation (complex dtypes only: torch sets the conjugate bit on nothing else), no bytes
+        # that are its values. A Parameter is a plain tensor with its own bytes.
         _memmove(part.base + off, tensor.data_ptr(), nbytes)
     elif nbytes:
         tensor = tensor.detach()   # the copy is not part of the graph (a memmove never is)
@@ -180,6 +181,6 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, copier: DeviceCopier | 
             dst.copy_(tensor)
         else:
             copier.copy(part, dst, tensor)
-    part.slots.append((row, dtype, tuple(shape), off, nbytes, keep))   # atoms only: GC-untracked
+    part.slots.append((row, dtype, shape, off, nbytes, keep))   # atoms only: GC-untracked
     part.used = off + nbytes
     return True
