@@ -9,7 +9,9 @@
   of 4 in one process (_paired_session), steadier on a shared machine; a diagnostic, not the goal's
   figure. `paired.hooks_only`: the same with the writer's `add` doing nothing, what tracing costs
   before a single byte is recorded (the taps and gradient hooks, the records' names): the floor no
-  change of the writer can go under on this model. `paired_by_model`: the same three figures for
+  change of the writer can go under on this model. `paired.no_write` (gpt_tiny): full mode's records
+  taken, the parts given back unwritten: what writing the files (header, checksum, the O_DIRECT write)
+  costs the training thread beside it. `paired_by_model`: the same three figures for
   two wider models (hidden 128 and 256) with the trace bytes per traced step: what costs per record
   (the taps) and what per byte (the snapshot and the writer), a diagnostic.
 - tracer overhead: step time, wall time of the whole job (including the trace flush at close) and
@@ -146,19 +148,24 @@ def _paired_session(spec: dict[str, Any], env: dict[str, str], traced: list[floa
     return PairedSession(JobConfig.from_spec(spec, env=env))
 
 
-def _train_paired(spec: dict[str, Any], q: Any, hooks_only: bool = False) -> None:
+def _train_paired(spec: dict[str, Any], q: Any, hooks_only: bool = False, no_write: bool = False) -> None:
     """Child process: one single-rank job timed by `_paired_session`. `hooks_only`: the writer records
-    nothing (its `add` returns at once), every hook still runs."""
+    nothing (its `add` returns at once), every hook still runs. `no_write`: every record is taken as in
+    full mode, and the writer thread gives each part back unwritten (no header, checksum or file): what
+    writing the trace costs the training thread beside it."""
+    import tracer.writer
+    from tracer.heap import gc_frozen
     from workloads import train
 
     if hooks_only:
-        import tracer.writer
-
         tracer.writer.TraceWriter.add = lambda self, fields, tensor: None  # type: ignore[method-assign]
+    if no_write:
+        tracer.writer.TraceWriter._write_direct = lambda self, name, part, slots: True  # type: ignore
 
     traced: list[float] = []
     paused: list[float] = []
-    train.main(_paired_session(spec, _single_rank_env(), traced, paused))
+    with gc_frozen():   # as ttrace's launcher runs an entrypoint job (orchestrator/jobs.py)
+        train.main(_paired_session(spec, _single_rank_env(), traced, paused))
     steps = int(spec["steps"])   # a block's first step is traced too, only not counted
     q.put({"traced": traced, "paused": paused,
            "traced_steps": sum(1 for s in range(steps) if s // PAIRED_BLOCK % 2 == 0)})
@@ -233,6 +240,7 @@ def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
     """Child process: run each single-rank job in turn (the built-in job's entrypoint, as ttrace's
     launcher calls it); report step times, wall, CPU time and peak RSS. `legacy`: trace with the
     writer before issue 16."""
+    from tracer.heap import gc_frozen
     from workloads import train
 
     if legacy:
@@ -245,7 +253,11 @@ def _train(specs: list[dict[str, Any]], q: Any, legacy: bool = False) -> None:
         cpu: list[float] = []
         env = _single_rank_env()
         t0 = time.perf_counter()
-        train.main(_timed_session(spec, env, times, cpu))
+        # As ttrace's launcher runs an entrypoint job (orchestrator/jobs.py): the process's heap of
+        # imports left out of the GC's passes. Unfrozen, a full pass over it (~160 ms) fell in a
+        # traced step of every full-mode process here (step 2), and in none of the untraced ones.
+        with gc_frozen():
+            train.main(_timed_session(spec, env, times, cpu))
         out.append({"steps": times, "wall": time.perf_counter() - t0, "step_cpu": cpu})
     q.put({"runs": out, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
@@ -326,6 +338,8 @@ def overhead(steps: int, tmp: Path) -> dict[str, Any]:
 GOALS = {"step_time_ratio": 1.3, "stats_mode_step_time_ratio": 1.1}   # issue 16
 PAIRED_STEPS = 33   # per process: 4 traced blocks and 4 paused, 3 counted steps each
 PAIRED_MODES = ("full", "stats", "hooks_only")
+# gpt_tiny's paired figures also hold `no_write` (_train_paired): full mode's records without the files.
+PAIRED_DIAGNOSTICS = ("no_write",)
 WRITERS = {"off": None, "legacy_full": "full", "full": "full", "stats": "stats"}
 
 
@@ -335,17 +349,18 @@ PAIRED_MODELS = {"gpt_tiny": [], "hidden=128": ["model.hidden=128", "model.ffn_h
                  "hidden=256": ["model.hidden=256", "model.ffn_hidden=1024"]}
 
 
-def _paired(overrides: list[str], rounds: int, tmp: Path) -> dict[str, Any]:
+def _paired(overrides: list[str], rounds: int, tmp: Path,
+            modes: tuple[str, ...] = PAIRED_MODES) -> dict[str, Any]:
     """Per paired mode, the traced and paused steps' medians and their ratio, over `rounds` processes
     each; and the trace bytes per traced step (full mode)."""
-    got: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in PAIRED_MODES}
+    got: dict[str, dict[str, list[float]]] = {m: {"traced": [], "paused": []} for m in modes}
     written = traced_steps = 0
     for r in range(rounds):
         for mode, g in got.items():
             store = tmp / mode
             spec = _spec([f"steps={PAIRED_STEPS}", *overrides], str(store), f"round{r}")
             spec["trace"]["mode"] = "stats" if mode == "stats" else "full"
-            res = _in_child(_train_paired, spec, hooks_only=mode == "hooks_only")
+            res = _in_child(_train_paired, spec, hooks_only=mode == "hooks_only", no_write=mode == "no_write")
             g["traced"] += res["traced"]
             g["paused"] += res["paused"]
             if mode == "full":
@@ -378,7 +393,8 @@ def tracer_overhead(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
             bytes_of[w] = _dir_bytes(store / f"round{r}") if mode else 0
     # The same figures, traced and paused steps interleaved in one process: gpt_tiny (the goals'
     # model), then wider ones (a diagnostic: how the costs per record and per byte scale).
-    paired = {label: _paired(ov, rounds, tmp / f"tracer-overhead-paired-{i}")
+    paired = {label: _paired(ov, rounds, tmp / f"tracer-overhead-paired-{i}",
+                             PAIRED_MODES + (PAIRED_DIAGNOSTICS if i == 0 else ()))
               for i, (label, ov) in enumerate(PAIRED_MODELS.items())}
     med = {w: statistics.median(v) for w, v in steps_of.items()}
     # The mean beside the median: a full GC pass or a stall on the writer thread is a rare long step
@@ -712,7 +728,7 @@ def table(r: dict[str, Any]) -> str:
             lines.append(f"{k}: before {t[k]['before']:.2f}, after {t[k]['after']:.2f} (goal <= {goal})"
                          f"{'  MISSED' if k in t['missed'] else ''}")
         for mode, pr in t.get("paired", {}).items():
-            if mode in PAIRED_MODES:
+            if mode in PAIRED_MODES + PAIRED_DIAGNOSTICS:
                 lines.append(f"paired in one process, {mode}: traced {pr['traced_median_s'] * 1e3:.1f} ms, "
                              f"paused {pr['paused_median_s'] * 1e3:.1f} ms, x{pr['step_time_ratio']:.2f} "
                              f"({pr['steps_per_kind']} steps each, blocks of {pr['block']})")
