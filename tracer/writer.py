@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -198,16 +199,14 @@ class TraceWriter:
         when its tensors do not lie back to back from the slab's start (an alignment hole between
         dtypes, or summarized slots among them), or the filesystem refuses O_DIRECT (then for good).
         `slots`: Slot fields, in slab order."""
-        header: dict[str, Any] = {}
         end = 0
-        rows = self._rows
-        for row, dtype, shape, offset, nbytes, _ in slots:
-            if offset != end:
+        for slot in slots:
+            if slot[3] != end:   # offset
                 return False
-            end += nbytes
-            header[rows[row][0][0]] = {"dtype": _ST_NAMES[dtype], "shape": list(shape),
-                                       "data_offsets": [offset, end]}
-        head = header_block(json.dumps(header, separators=(",", ":")).encode())
+            end += slot[4]
+        rows = self._rows
+        head = header_block(_header_json((rows[row][0][0], dtype, shape, offset, offset + nbytes)
+                                         for row, dtype, shape, offset, nbytes, _ in slots))
         if not write_direct(f"{self.dir}/{name}", head, part.slab, end):
             self._direct = False
             return False
@@ -221,18 +220,17 @@ class TraceWriter:
         """One safetensors file from the slab: tensors grouped by element size (each stays aligned,
         and the data has no holes), contiguous slab ranges written in pieces of at most WRITE_BYTES."""
         order = sorted(slots, key=lambda s: (-s.dtype.itemsize, s.offset))
-        header: dict[str, Any] = {}
+        entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
         ranges: list[list[int]] = []
         pos = 0
         for s in order:
-            header[self._rows[s.row][0][0]] = {"dtype": _ST_NAMES[s.dtype], "shape": list(s.shape),
-                                      "data_offsets": [pos, pos + s.nbytes]}
+            entries.append((self._rows[s.row][0][0], s.dtype, s.shape, pos, pos + s.nbytes))
             pos += s.nbytes
             if ranges and ranges[-1][1] == s.offset:
                 ranges[-1][1] += s.nbytes
             else:
                 ranges.append([s.offset, s.offset + s.nbytes])
-        head = header_block(json.dumps(header, separators=(",", ":")).encode(), 8)
+        head = header_block(_header_json(entries), 8)
         raw = part.slab.numpy()
         h = hasher(WRITTEN)
         h.update(head)
@@ -248,6 +246,30 @@ class TraceWriter:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise TraceError(f"writing trace to {self.dir} failed: {self._error}") from self._error
+
+
+_quote = json.encoder.encode_basestring_ascii   # a JSON string literal, as json.dumps writes one
+
+
+class _ShapeJson(dict):
+    """A shape's JSON array, formatted once per shape (shapes repeat every step)."""
+
+    def __missing__(self, shape: tuple[int, ...]) -> str:
+        text = self[shape] = f"[{','.join(map(str, shape))}]"
+        return text
+
+
+_SHAPES = _ShapeJson()
+
+
+def _header_json(entries: Iterable[tuple[str, torch.dtype, tuple[int, ...], int, int]]) -> bytes:
+    """A part's safetensors header JSON from (name, dtype, shape, start, end) per tensor, in order:
+    the text json.dumps makes of the format's nested dicts (byte for byte), formatted directly. The
+    writer thread holds the GIL the training thread waits for while it runs: three containers per
+    tensor and their encoding took 2.2-3.3 us a tensor (gpt_tiny's 398 a part), this 0.7."""
+    return ("{" + ",".join([f'{_quote(name)}:{{"dtype":"{_ST_NAMES[dtype]}","shape":{_SHAPES[shape]},'
+                            f'"data_offsets":[{start},{end}]}}'
+                            for name, dtype, shape, start, end in entries]) + "}").encode()
 
 
 class _PartNames(dict):
