@@ -24,14 +24,20 @@ def frozen():
     return {"frozen": gc.get_freeze_count(), "threads": threading.active_count(), "pid": os.getpid(),
             "torch": "torch" in sys.modules, "ray": "ray" in sys.modules}
 
+def up(text):
+    # Written whole, then renamed: a test that acts on the file's existence never reads it half-written.
+    ready = Path(os.environ["READY"])
+    ready.with_name(ready.name + ".tmp").write_text(text)
+    ready.with_name(ready.name + ".tmp").replace(ready)
+
 def sleeps():
-    Path(os.environ["READY"]).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+    up(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
     time.sleep(float(os.environ.get("SLEEP", "60")))
     return {"slept": True}
 
 def meets():
     # Up, then waits for its peer to be up too: only ranks running at once both meet.
-    Path(os.environ["READY"]).write_text("up")
+    up("up")
     peer, deadline = Path(os.environ["PEER"]), time.monotonic() + 30
     while not peer.exists():
         if time.monotonic() > deadline:
