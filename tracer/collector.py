@@ -24,6 +24,7 @@ from tracer.errors import TraceError
 from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
 from tracer.forward_taps import on_grad, tap_forward
 from tracer.layouts import Layout, Replicate
+from tracer.module_calls import ModuleCalls, in_backward
 from tracer.plan import Plan, Rename, param_layouts, traced_modules
 from tracer.routing import ROUTER_TYPES, hand_on
 from tracer.writer import TraceWriter
@@ -61,6 +62,7 @@ class Tracer:
         self._step: int | None = None
         self._microbatch: int | None = None
         self._seq = 0
+        self._calls = ModuleCalls()   # which call of a traced module a forward is (reuse, recomputation)
         self._grad_scale = 1.0
         self._rename: Rename = lambda n: n
         self._params: dict[str, tuple[Layout, str]] = {}  # local param name -> (layout, module type)
@@ -123,6 +125,8 @@ class Tracer:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         self._step = step
+        if self.enabled:
+            self._calls.reset()
         try:
             yield
         finally:
@@ -233,6 +237,22 @@ class Tracer:
         want_out, want_grad = self.traces("output"), self.traces("grad_output")
         add = self._writer.add
         router = module_type in ROUTER_TYPES
+        calls = self._calls
+
+        def grad_hook_for(step: int, mb: int | None, at: str) -> Any:
+            mb_key = "-" if mb is None else mb
+
+            def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
+                if want_grad:
+                    add((f"{step}/{mb_key}/{at}/grad_output", path, module_type, "grad_output", step,
+                         mb, self._seq, grad_lay, self._grad_scale), grad)
+                    self._seq += 1
+                feed = self._feed
+                if feed is None:
+                    return None
+                return feed.local(canonical_name(step, mb, at, "grad_output"), grad_layout, grad,
+                                  scale=1.0 / self._grad_scale)
+            return grad_hook
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             is_seq = isinstance(output, (tuple, list))
@@ -240,28 +260,29 @@ class Tracer:
             step = self._step
             if step is None or not isinstance(out, torch.Tensor):
                 return None
-            mb, feed = self._microbatch, self._feed
-            mb_key = "-" if mb is None else mb
-            if want_out:   # canonical_name, tracer.writer.FIELDS
-                add((f"{step}/{mb_key}/{path}/output", path, module_type, "output", step, mb, self._seq,
-                     lay, 1.0), out)
-                self._seq += 1
+            feed = self._feed
+            recomputed = in_backward() != -1   # activation recomputation: its first forward's tensor again
+            if recomputed:
+                call = calls.recomputed(path, step, out.shape)
+                mb, at = call.microbatch, call.at
+            else:
+                mb = self._microbatch
+                at = calls.name(path, mb)   # a module called again in this microbatch: path#k
+                if want_out:   # canonical_name, tracer.writer.FIELDS
+                    add((f"{step}/{'-' if mb is None else mb}/{at}/output", path, module_type, "output", step,
+                         mb, self._seq, lay, 1.0), out)
+                    self._seq += 1
             if router and self._replay is not None:
-                _hand_on_reference(self._replay, canonical_name(step, mb, path, "output"), layout, out)
-            if feed is not None:   # isolation pass: downstream sees the reference's output
-                out = feed.substitute(out, canonical_name(step, mb, path, "output"), layout)
-            if out.requires_grad and (want_grad or feed is not None):
-
-                def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
-                    if want_grad:
-                        add((f"{step}/{mb_key}/{path}/grad_output", path, module_type, "grad_output", step,
-                             mb, self._seq, grad_lay, self._grad_scale), grad)
-                        self._seq += 1
-                    if feed is None:
-                        return None
-                    return feed.local(canonical_name(step, mb, path, "grad_output"), grad_layout, grad,
-                                      scale=1.0 / self._grad_scale)
-                on_grad(out, grad_hook)
+                _hand_on_reference(self._replay, canonical_name(step, mb, at, "output"), layout, out)
+            if feed is not None:   # isolation pass: downstream sees the reference's output (rebuilt too)
+                out = feed.substitute(out, canonical_name(step, mb, at, "output"), layout)
+            grads = out.requires_grad and (want_grad or feed is not None)
+            # A recomputation's output needs the hook only where its first forward ran under no_grad
+            # (reentrant checkpointing); otherwise the first forward's output has it.
+            if grads and not (recomputed and call.hooked):
+                on_grad(out, grad_hook_for(step, mb, at))
+            if not recomputed:
+                calls.ran(path, (mb, at, grads, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out

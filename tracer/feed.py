@@ -60,7 +60,9 @@ class ReferenceFeed:
         ref = self.local(name, layout, computed)
         if ref is None:
             return computed
-        return _Substitute.apply(computed, ref) if computed.requires_grad else ref
+        # A copy either way: the reference's own tensor, handed on, could be changed in place or made
+        # the output of an autograd Function (reentrant checkpointing's first forward runs under no_grad).
+        return _Substitute.apply(computed, ref) if computed.requires_grad else ref.clone()
 
 
 def load_run(url: str, *, lazy: bool = False) -> LogicalTrace:

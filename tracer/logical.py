@@ -131,6 +131,10 @@ class StoredTensors(Mapping[str, Assembled]):
                 got = pieces.get(name)
                 if got is None:
                     pieces[name], info[name] = [(rt, e)], e
+                elif got[-1][0] is rt:   # a writer before tracer.writer._named_twice
+                    raise TraceError(f"run '{run}' rank {rank} holds two tensors named '{name}': a "
+                                     "comparison would see one of them; retrace the run with this ttrace (it "
+                                     "names each call of a module apart)")
                 else:
                     got.append((rt, e))
         self.parts = PartCache(run, ranks, keys)

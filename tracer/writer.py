@@ -149,8 +149,10 @@ class TraceWriter:
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
+        entries = self.entries
+        incomplete = incomplete or _named_twice(entries)
         manifest = dict(self.header, format=FORMAT, checksum=WRITTEN, mode=self.mode, files=self.files,
-                        entries=self.entries)
+                        entries=entries)
         if incomplete:
             manifest["incomplete"] = incomplete
         text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
@@ -281,3 +283,16 @@ class _PartNames(dict):
 
 
 _NAMES = _PartNames()
+
+
+def _named_twice(entries: list[dict[str, Any]]) -> str | None:
+    """Why a trace holding two records of one name is incomplete: a comparison would see one of them
+    (the collector names each call of a module apart: tracer.module_calls; a caller's own `record`
+    repeated for one step and microbatch is not)."""
+    seen: set[str] = set()
+    twice = sorted({e["name"] for e in entries if e["name"] in seen or seen.add(e["name"])})
+    if not twice:
+        return None
+    return (f"{len(twice)} name(s) recorded twice in one trace, e.g. {twice[:3]}: a comparison would see "
+            "only one of each; every record needs a name of its own (a record call repeated for the same "
+            "step, microbatch, path and kind?)")

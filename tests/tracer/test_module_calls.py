@@ -1,0 +1,145 @@
+"""tracer/module_calls.py through the collector: a module called twice in one forward gets a record per
+call; activation recomputation (torch.utils.checkpoint, both kinds) records what a run without it
+records, isolation pass included; what cannot be matched, or two records of one name, is an error."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tracer import ModuleLayout, Tracer
+from tracer.errors import TraceError
+from tracer.feed import ReferenceFeed
+from tracer.logical import load_logical
+from tracer.store import MANIFEST, rank_dir
+
+PLAN = {name: ModuleLayout() for name in ("emb", "blk.a", "blk.b", "head")}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Model(nn.Module):
+    """emb -> blk (once, twice, or checkpointed) -> head."""
+
+    def __init__(self, blk: str = "once"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.blk, self.head, self.how = nn.Linear(4, 4), Block(), nn.Linear(4, 4), blk
+
+    def forward(self, x):
+        x = self.emb(x)
+        if self.how == "once":
+            h = self.blk(x)
+        elif self.how == "twice":
+            h = self.blk(self.blk(x))
+        else:
+            h = checkpoint(self.blk, x, use_reentrant=self.how == "reentrant")
+        return self.head(h)
+
+
+BATCHES = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def train(root, run: str, model: Model, steps: int = 1, feed=None, backward: str = "per microbatch",
+          batches=BATCHES):
+    tr = Tracer(str(root), run, 0, {}, {})
+    tr.attach(model, PLAN)
+    if feed is not None:
+        tr.isolate(ReferenceFeed(load_logical(str(root), feed, 1), {}, {}))
+    for step in range(steps):
+        with tr.step(step):
+            losses = []
+            for i, x in enumerate(batches):
+                with tr.microbatch(i):
+                    losses.append(model(x).square().mean())
+                if backward == "per microbatch":
+                    losses.pop().backward()
+            if losses:   # one backward over every microbatch's loss: autograd picks the order
+                sum(losses).backward()
+            tr.record_param_grads(model)
+    tr.close()
+    return load_logical(str(root), run, 1)
+
+
+def test_a_module_called_twice_in_a_forward_gets_a_record_per_call(tmp_path):
+    model = Model("twice")
+    trace = train(tmp_path, "twice", model, steps=2)
+    x = BATCHES[1]
+    first = model.blk.a(model.emb(x))
+    second = model.blk.a(model.blk(model.emb(x)))   # the weights as in step 1: the grads were never applied
+    got = lambda name: trace.tensors[name].tensor.float()
+    assert torch.equal(got("1/1/blk.a/output"), first) and torch.equal(got("1/1/blk.a#1/output"), second)
+    # Counted per microbatch and per step: no 'blk.a#2' or '#3'; each call's gradient is its own.
+    assert {n for n in trace.order if "blk.a" in n and n.startswith("1/1/")} == {
+        "1/1/blk.a/output", "1/1/blk.a#1/output", "1/1/blk.a/grad_output", "1/1/blk.a#1/grad_output"}
+    emb = model.emb(x).detach().requires_grad_(True)
+    o1 = model.blk.a(emb)
+    o2 = model.blk.a(model.blk.b(torch.tanh(o1)))
+    g1, g2 = torch.autograd.grad(model.head(model.blk.b(torch.tanh(o2))).square().mean(), (o1, o2))
+    assert torch.allclose(got("1/1/blk.a/grad_output"), g1)
+    assert torch.allclose(got("1/1/blk.a#1/grad_output"), g2)
+    assert not torch.allclose(g1, g2)
+
+
+@pytest.mark.parametrize("how", ["reentrant", "nonreentrant"])
+def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path, how):
+    """The recomputed forward is not recorded again, and the gradient is named by the forward it
+    repeats (reentrant: the first forward ran under no_grad, only the recomputed output has one).
+    In the isolation pass the recomputation hands on the reference's output again: the activations it
+    rebuilds are those the first forward handed on (the candidate's blk.a is off by 2%)."""
+    plain, recomputed = train(tmp_path, "once", Model()), train(tmp_path, how, Model(how))
+    assert recomputed.order == plain.order and len(plain.order) == 16 + 8
+    for name in plain.order:
+        assert torch.equal(recomputed.tensors[name].tensor, plain.tensors[name].tensor), name
+
+    def off(how):
+        model = Model(how)
+        with torch.no_grad():
+            model.blk.a.weight.mul_(1.02)
+        return model
+    plain = train(tmp_path, "isolated-once", off("once"), feed="once")
+    recomputed = train(tmp_path, f"isolated-{how}", off(how), feed="once")
+    assert recomputed.order == plain.order
+    for name in plain.order:
+        assert torch.equal(recomputed.tensors[name].tensor, plain.tensors[name].tensor), name
+    unisolated = train(tmp_path, "off", off("once"))   # the feed did change what was recorded
+    assert not torch.equal(unisolated.tensors["0/-/blk.b.weight/param_grad"].tensor,
+                           plain.tensors["0/-/blk.b.weight/param_grad"].tensor)
+
+
+def test_recomputations_in_another_order_than_their_forwards_are_an_error(tmp_path):
+    """One backward over two microbatches' losses: autograd recomputes the later microbatch first.
+    Matched to the oldest forward, its output has another shape: an error naming the module."""
+    batches = [torch.randn(3, 4), torch.randn(5, 4)]
+    with pytest.raises(TraceError, match=r"'blk.a' was recomputed .* shape \(5, 4\), but its oldest forward "
+                                         r"not yet recomputed \('blk.a', microbatch 0\) had \(3, 4\)"):
+        train(tmp_path, "order", Model("nonreentrant"), backward="once", batches=batches)
+    plain = train(tmp_path, "plain", Model("once"), backward="once", batches=batches)   # no recomputation
+    assert "0/1/blk.a/grad_output" in plain.order
+
+
+def test_two_records_of_one_name_leave_the_trace_incomplete_and_unreadable(tmp_path):
+    tr = Tracer(str(tmp_path), "twice", 0, {}, {})
+    with tr.step(0):
+        tr.record_loss(torch.tensor(1.0), microbatch=0)
+        tr.record_loss(torch.tensor(2.0), microbatch=0)
+        tr.record_loss(torch.tensor(3.0), microbatch=1)
+    tr.close()
+    with pytest.raises(TraceError, match=r"1 name\(s\) recorded twice .*'0/0/loss/loss'"):
+        load_logical(str(tmp_path), "twice", 1)
+    # As an older writer committed such a trace (not marked): the reader refuses it too.
+    path = tmp_path / "twice" / rank_dir(0) / MANIFEST
+    manifest = json.loads(path.read_text())
+    del manifest["incomplete"]
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="rank 0 holds two tensors named '0/0/loss/loss'"):
+        load_logical(str(tmp_path), "twice", 1)

@@ -1,0 +1,80 @@
+"""Which call of a traced module a forward is, so that every call has a name of its own.
+
+A module can run more than once for one microbatch:
+  reuse          called twice in one forward (a shared block, `fc(fc(x))`): each call is a tensor of
+                 its own. The first keeps the module's path; call k > 0 is named `path#k`, the same in
+                 every run that makes the same calls.
+  recomputation  activation checkpointing (torch.utils.checkpoint, Megatron's recompute) runs the
+                 forward again during backward to rebuild what it freed. That is the same tensor as the
+                 first forward's, not a new one: it is not recorded again. It is matched to its first
+                 forward, whose name its gradient (reentrant checkpointing runs the first forward
+                 under no_grad: only the recomputed output has a gradient) and the isolation pass's
+                 substitution (which must rebuild the activations the first forward handed on) use.
+
+A recomputation is matched to the oldest forward of the same module in this step that has not been
+recomputed yet: every pipeline schedule runs the microbatches' backwards in the order of their
+forwards, per model chunk. A job that runs one backward over several microbatches' losses leaves that
+order to autograd; a mismatch seen (no forward left, or another shape) is an error, never a guess."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from tracer.errors import TraceError
+
+in_backward = torch._C._current_graph_task_id   # -1 outside autograd's backward (a plain C call)
+
+
+class Call(NamedTuple):
+    """One forward of a traced module: its microbatch, the path its records are named by, whether its
+    output got a gradient hook, the output's shape."""
+    microbatch: int | None
+    at: str
+    hooked: bool
+    shape: torch.Size
+
+
+class ModuleCalls:
+    """The traced modules' forwards of one step (`reset` at each step's start)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._count: dict[tuple[int | None, str], int] = {}
+        self._open: dict[str, deque[tuple]] = {}   # path -> its forwards not recomputed yet
+
+    def name(self, path: str, microbatch: int | None) -> str:
+        """The path this forward of `path` in `microbatch` is recorded under (module doc)."""
+        key = (microbatch, path)
+        k = self._count.get(key, 0)
+        self._count[key] = k + 1
+        return path if k == 0 else f"{path}#{k}"
+
+    def ran(self, path: str, call: tuple) -> None:
+        """A forward of `path` ran (not a recomputation): `call` holds Call's fields (a plain tuple:
+        this runs per traced module call, on the training thread's path)."""
+        calls = self._open.get(path)
+        if calls is None:
+            calls = self._open[path] = deque()
+        calls.append(call)
+
+    def recomputed(self, path: str, step: int, shape: torch.Size) -> Call:
+        """The forward that this recomputation of `path` in backward repeats (module doc)."""
+        calls = self._open.get(path)
+        if not calls:
+            raise TraceError(f"traced module '{path}' ran its forward during step {step}'s backward "
+                             "(activation recomputation) with no forward of it in that step left to repeat: "
+                             "ttrace cannot tell which call this is. Run the microbatches' backwards in "
+                             "their forwards' order, or turn recomputation off for the check")
+        call = Call._make(calls.popleft())
+        if call.shape != shape:
+            raise TraceError(f"traced module '{path}' was recomputed in step {step}'s backward with output "
+                             f"shape {tuple(shape)}, but its oldest forward not yet recomputed ('{call.at}', "
+                             f"microbatch {call.microbatch}) had {tuple(call.shape)}: the recomputations "
+                             "run in another order than the forwards. Run the microbatches' backwards in "
+                             "their forwards' order, or turn recomputation off for the check")
+        return call
