@@ -20,13 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.errors import TraceError
 from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
 from tracer.forward_taps import on_grad, tap_forward
 from tracer.layouts import Layout, Replicate
 from tracer.module_calls import ModuleCalls, in_backward
-from tracer.plan import Plan, Rename, param_layouts, traced_modules
-from tracer.routing import ROUTER_TYPES, hand_on
+from tracer.plan import Plan, Rename, logical_names, param_layouts, traced_modules
+from tracer.routing import ROUTER_TYPES, hand_on_reference
 from tracer.writer import TraceWriter
 
 _PARAM_KINDS = frozenset(("param_grad", "param"))
@@ -83,8 +82,7 @@ class Tracer:
         """Tap every module the plan lists (tracer.forward_taps); remember every parameter's layout."""
         if not self.enabled:
             return
-        if rename is not None:
-            self._rename = rename
+        self._rename = logical_names(rename)
         types = {name: type(m).__name__ for name, m in model.named_modules()}
         for pname, layout in param_layouts(model, plan).items():
             self._params[pname] = (layout, types.get(pname.rpartition(".")[0], ""))
@@ -145,13 +143,15 @@ class Tracer:
 
     # -- records -------------------------------------------------------------------------------
     def record(self, path: str, kind: str, tensor: torch.Tensor, layout: Layout | None = None, *,
-               microbatch: int | None = None, module_type: str = "", scale: float = 1.0) -> None:
+               microbatch: int | None = None, module_type: str = "", scale: float = 1.0,
+               at: str | None = None) -> None:
+        """`at`: the path the name holds when it is not `path` (a module's later call: module_calls)."""
         if not self.enabled or (self._kinds is not None and kind not in self._kinds):
             return
         if self._step is None:
             raise RuntimeError("Tracer.record called outside `with tracer.step(i)`")
         step = self._step
-        name = f"{step}/{'-' if microbatch is None else microbatch}/{path}/{kind}"   # canonical_name
+        name = f"{step}/{'-' if microbatch is None else microbatch}/{at or path}/{kind}"   # canonical_name
         # tracer.writer.FIELDS; the tensor is snapshotted now (the caller may change it afterwards)
         self._writer.add((name, path.rpartition(".")[0] if kind in _PARAM_KINDS else path, module_type, kind,
                           step, microbatch, self._seq, _layout_json(layout or _REPLICATE), scale), tensor)
@@ -189,6 +189,9 @@ class Tracer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._calls.recomputed_forwards:
+            print(f"ttrace: activation recomputation: {self._calls.recomputed_forwards} forwards of traced "
+                  "modules ran again in backward, each matched to its first forward", file=sys.stderr)
         if self._signs is not None:   # into the rank's log: how much of the update was replayed
             print(f"ttrace: grad-sign replay: {self._signs.taken} of {self._signs.elements} grad elements "
                   "took the reference's value", file=sys.stderr)
@@ -273,7 +276,7 @@ class Tracer:
                          mb, self._seq, lay, 1.0), out)
                     self._seq += 1
             if router and self._replay is not None:
-                _hand_on_reference(self._replay, canonical_name(step, mb, at, "output"), layout, out)
+                hand_on_reference(self._replay, canonical_name(step, mb, at, "output"), layout, out)
             if feed is not None:   # isolation pass: downstream sees the reference's output (rebuilt too)
                 out = feed.substitute(out, canonical_name(step, mb, at, "output"), layout)
             grads = out.requires_grad and (want_grad or feed is not None)
@@ -288,11 +291,3 @@ class Tracer:
             return (out, *output[1:]) if is_seq else out
         return hook
 
-
-def _hand_on_reference(feed: Any, name: str, layout: Layout, out: torch.Tensor) -> None:
-    ref = feed.local(name, layout, out)
-    if ref is None:
-        raise TraceError(f"routing replay: the reference's '{name}' does not cut to this rank's router "
-                         f"output of shape {tuple(out.shape)} by its layout {layout.to_json()}; the runs "
-                         "differ in their data or layout (or set tolerance.routing=own)")
-    hand_on(out, ref)

@@ -20,7 +20,7 @@ from tracer.checkpoint import ADAM_STATE, Checkpoint, check_names, open_checkpoi
 from tracer.errors import ConfigError
 from tracer.generator import token_batch
 from tracer.parameters import init_parameters, logical_params, mesh_axes_of, param_layout_map
-from tracer.plan import Plan, Rename
+from tracer.plan import Plan, Rename, logical_names
 
 
 def _dtensor(t: torch.Tensor) -> bool:
@@ -72,7 +72,7 @@ class JobInputs:
         ck, source = self.checkpoint, None
         if ck is not None:
             expected = {g: s for g, _, _, s in logical_params(model, layouts, sizes, rename).values()}
-            buffers = {(rename or str)(n) for n, _ in model.named_buffers()}
+            buffers = {logical_names(rename)(n) for n, _ in model.named_buffers()}
             every = _gather(expected, buffers, self.config.world_size)
             if every is None:   # several ranks, no process group yet: this rank's names only
                 refuse(ck, check_names(ck, expected, None))
@@ -126,7 +126,7 @@ class JobInputs:
             raise ConfigError(f"checkpoint.save={directory}: the reference runs on {self.config.world_size} "
                               "ranks (reference.parallel); writing a checkpoint gathers nothing yet, so "
                               "save it from a single-device reference (reference.parallel=single)")
-        rename = rename or str
+        rename = logical_names(rename)
         named = list(model.named_parameters())
         owners = list(params) if params is not None else [p for _, p in named]
         tensors = {rename(n): _full(p) for n, p in named}

@@ -41,6 +41,7 @@ class ModuleCalls:
     """The traced modules' forwards of one step (`reset` at each step's start)."""
 
     def __init__(self) -> None:
+        self.recomputed_forwards = 0   # over the run: said in the rank's log (a job's AC seen working)
         self.reset()
 
     def reset(self) -> None:
@@ -71,6 +72,7 @@ class ModuleCalls:
                              "ttrace cannot tell which call this is. Run the microbatches' backwards in "
                              "their forwards' order, or turn recomputation off for the check")
         call = Call._make(calls.popleft())
+        self.recomputed_forwards += 1
         if call.shape != shape:
             raise TraceError(f"traced module '{path}' was recomputed in step {step}'s backward with output "
                              f"shape {tuple(shape)}, but its oldest forward not yet recomputed ('{call.at}', "

@@ -12,7 +12,7 @@ from torch import nn
 from tracer.errors import ConfigError
 from tracer.generator import full_tensor, perturb_signs, step_ulp
 from tracer.layouts import Layout, Replicate
-from tracer.plan import Plan, Rename, param_layouts
+from tracer.plan import Plan, Rename, logical_names, param_layouts
 
 
 def param_layout_map(model: nn.Module, plan: Plan | None) -> dict[str, Layout]:
@@ -44,7 +44,7 @@ def _logical_shape(p: torch.Tensor, layout: Layout, sizes: Mapping[str, int]) ->
 def _each_param(model: nn.Module, layouts: Mapping[str, Layout], sizes: Mapping[str, int],
                 rename: Rename | None) -> Iterator[tuple[str, str, torch.Tensor, Layout, tuple[int, ...]]]:
     """(local name, global name, local tensor, layout, logical shape) of every parameter."""
-    rename = rename or (lambda n: n)
+    rename = logical_names(rename)
     for name, p in model.named_parameters():
         layout = layouts.get(name, Replicate())
         if layout.partial:

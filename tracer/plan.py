@@ -31,6 +31,27 @@ class ModuleLayout:
 
 
 Plan = Mapping[str, ModuleLayout]
+Rename = Callable[[str], str]
+
+# The attributes torch's module wrappers hold the wrapped module under: activation checkpointing's
+# checkpoint_wrapper (torchtitan's AC), torch.compile's OptimizedModule, FSDP1. They are no part of a
+# logical name: a wrapped model names its modules and parameters as it does unwrapped (a reference
+# runs it unwrapped), as their own state_dict hooks do.
+WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+_WRAPPER = re.compile(r"(?:^|\.)(?:" + "|".join(WRAPPERS) + r")(?=\.|$)")
+
+
+def unwrapped(name: str) -> str:
+    """`name` without torch's wrapper attributes (WRAPPERS): 'layers.0._checkpoint_wrapped_module.wq'
+    is 'layers.0.wq'."""
+    return _WRAPPER.sub("", name).lstrip(".") if _WRAPPER.search(name) else name
+
+
+def logical_names(rename: Rename | None) -> Rename:
+    """A name's logical form: unwrapped, then `rename`d (pipeline stages: local to global layers)."""
+    if rename is None:
+        return unwrapped
+    return lambda name: rename(unwrapped(name))
 
 
 @lru_cache(maxsize=1024)
@@ -49,7 +70,7 @@ def match(plan: Plan, name: str) -> ModuleLayout | None:
 
 def traced_modules(model: nn.Module, plan: Plan) -> Iterator[tuple[str, nn.Module, ModuleLayout]]:
     for name, module in model.named_modules():
-        entry = match(plan, name)
+        entry = match(plan, unwrapped(name))
         if entry is not None:
             yield name, module, entry
 
@@ -76,9 +97,6 @@ class PipelineRenaming:
     def __call__(self, name: str) -> str:
         return re.sub(self.pattern, lambda m: m.group(0)[: m.start(1) - m.start(0)]
                       + str(int(m.group(1)) + self.offset), name, count=1)
-
-
-Rename = Callable[[str], str]
 
 
 @dataclass(frozen=True)

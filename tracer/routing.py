@@ -28,6 +28,7 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
+from tracer.layouts import Layout
 from tracer.logical import LogicalTrace
 
 ROUTER_TYPES = frozenset({"Router"})   # module types whose output is the routing logits (workloads/moe.py)
@@ -128,3 +129,13 @@ def routing_flips(reference: LogicalTrace, candidate: LogicalTrace, perturbed: S
     flips = torch.cat(flip_margins)
     return RoutingFlips(top_k, routers, tokens, cand, pert,
                         float(flips.max()) if flips.numel() else 0.0, float(torch.cat(margins).median()))
+
+
+def hand_on_reference(feed: Any, name: str, layout: Layout, out: torch.Tensor) -> None:
+    """Routing replay on a rank: `hand_on` the reference's router output `name` (this rank's piece)."""
+    ref = feed.local(name, layout, out)
+    if ref is None:
+        raise TraceError(f"routing replay: the reference's '{name}' does not cut to this rank's router "
+                         f"output of shape {tuple(out.shape)} by its layout {layout.to_json()}; the runs "
+                         "differ in their data or layout (or set tolerance.routing=own)")
+    hand_on(out, ref)

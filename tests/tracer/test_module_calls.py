@@ -1,17 +1,23 @@
 """tracer/module_calls.py through the collector: a module called twice in one forward gets a record per
-call; activation recomputation (torch.utils.checkpoint, both kinds) records what a run without it
-records, isolation pass included; what cannot be matched, or two records of one name, is an error."""
+call; activation recomputation (torch.utils.checkpoint, both kinds, and torchtitan's checkpoint_wrapper
+whose attribute is no part of a name: tracer.plan.unwrapped) records what a run without it records,
+isolation pass included, by the plan's tracer and the DTensor one; what cannot be matched, or two
+records of one name, is an error."""
 
+import functools
 import json
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
 from tracer import ModuleLayout, Tracer
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed
+from tracer.integrations.dtensor import DTensorTracer
 from tracer.logical import load_logical
 from tracer.store import MANIFEST, rank_dir
 
@@ -28,16 +34,18 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    """emb -> blk (once, twice, or checkpointed) -> head."""
+    """emb -> blk (once, twice, checkpointed, or checkpoint-wrapped as torchtitan does) -> head."""
 
     def __init__(self, blk: str = "once"):
         super().__init__()
         torch.manual_seed(0)
         self.emb, self.blk, self.head, self.how = nn.Linear(4, 4), Block(), nn.Linear(4, 4), blk
+        if blk == "wrapped":   # non-reentrant; its parameters named blk._checkpoint_wrapped_module.a...
+            self.blk = checkpoint_wrapper(self.blk)
 
     def forward(self, x):
         x = self.emb(x)
-        if self.how == "once":
+        if self.how in ("once", "wrapped"):
             h = self.blk(x)
         elif self.how == "twice":
             h = self.blk(self.blk(x))
@@ -50,9 +58,13 @@ BATCHES = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i i
 
 
 def train(root, run: str, model: Model, steps: int = 1, feed=None, backward: str = "per microbatch",
-          batches=BATCHES):
-    tr = Tracer(str(root), run, 0, {}, {})
-    tr.attach(model, PLAN)
+          batches=BATCHES, dtensor: bool = False):
+    if dtensor:   # plain tensors: replicated layouts
+        tr = DTensorTracer(str(root), run, 0)
+        tr.attach(model, list(PLAN))
+    else:
+        tr = Tracer(str(root), run, 0, {}, {})
+        tr.attach(model, PLAN)
     if feed is not None:
         tr.isolate(ReferenceFeed(load_logical(str(root), feed, 1), {}, {}))
     for step in range(steps):
@@ -90,13 +102,19 @@ def test_a_module_called_twice_in_a_forward_gets_a_record_per_call(tmp_path):
     assert not torch.allclose(g1, g2)
 
 
-@pytest.mark.parametrize("how", ["reentrant", "nonreentrant"])
-def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path, how):
+@pytest.mark.parametrize("dtensor", [False, True], ids=["plan", "dtensor"])
+@pytest.mark.parametrize("how", ["reentrant", "nonreentrant", "wrapped"])
+def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path, how, dtensor, capsys):
     """The recomputed forward is not recorded again, and the gradient is named by the forward it
     repeats (reentrant: the first forward ran under no_grad, only the recomputed output has one).
     In the isolation pass the recomputation hands on the reference's output again: the activations it
     rebuilds are those the first forward handed on (the candidate's blk.a is off by 2%)."""
-    plain, recomputed = train(tmp_path, "once", Model()), train(tmp_path, how, Model(how))
+    run = functools.partial(train, dtensor=dtensor)
+    plain, recomputed = run(tmp_path, "once", Model()), run(tmp_path, how, Model(how))
+    # Said in the rank's log. Reentrant reruns blk.a and blk.b per microbatch; non-reentrant stops once
+    # the tensors backward needs are rebuilt (blk.b's output is not one of them, in torch 2.13).
+    said = re.findall(r"activation recomputation: (\d+) forwards", capsys.readouterr().err)
+    assert said == (["4"] if how == "reentrant" else ["2"]), said
     assert recomputed.order == plain.order and len(plain.order) == 16 + 8
     for name in plain.order:
         assert torch.equal(recomputed.tensors[name].tensor, plain.tensors[name].tensor), name
@@ -106,12 +124,12 @@ def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path
         with torch.no_grad():
             model.blk.a.weight.mul_(1.02)
         return model
-    plain = train(tmp_path, "isolated-once", off("once"), feed="once")
-    recomputed = train(tmp_path, f"isolated-{how}", off(how), feed="once")
+    plain = run(tmp_path, "isolated-once", off("once"), feed="once")
+    recomputed = run(tmp_path, f"isolated-{how}", off(how), feed="once")
     assert recomputed.order == plain.order
     for name in plain.order:
         assert torch.equal(recomputed.tensors[name].tensor, plain.tensors[name].tensor), name
-    unisolated = train(tmp_path, "off", off("once"))   # the feed did change what was recorded
+    unisolated = run(tmp_path, "off", off("once"))   # the feed did change what was recorded
     assert not torch.equal(unisolated.tensors["0/-/blk.b.weight/param_grad"].tensor,
                            plain.tensors["0/-/blk.b.weight/param_grad"].tensor)
 
@@ -143,3 +161,17 @@ def test_two_records_of_one_name_leave_the_trace_incomplete_and_unreadable(tmp_p
     path.write_text(json.dumps(manifest))
     with pytest.raises(TraceError, match="rank 0 holds two tensors named '0/0/loss/loss'"):
         load_logical(str(tmp_path), "twice", 1)
+
+
+def test_a_wrapped_model_is_initialized_by_its_logical_names():
+    """The consistent generator draws a parameter by its name: a model wrapped for activation
+    checkpointing must draw what the unwrapped reference draws (its wrapper attribute dropped)."""
+    from tracer.parameters import init_parameters
+
+    plain, wrapped = Model("once"), Model("wrapped")
+    for m in (plain, wrapped):
+        init_parameters(m, {}, 7, {}, {})
+    assert next(n for n, _ in wrapped.named_parameters() if "_checkpoint_wrapped_module" in n)
+    got = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in wrapped.named_parameters()}
+    assert all(torch.equal(got[n], p) for n, p in plain.named_parameters())
+    assert not torch.equal(plain.blk.a.weight, Model("once").blk.a.weight)   # the generator did draw

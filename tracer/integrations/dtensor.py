@@ -44,7 +44,8 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from tracer.collector import Tracer, canonical_name
 from tracer.forward_taps import on_grad
 from tracer.layouts import Layout
-from tracer.plan import Rename, _regex
+from tracer.module_calls import in_backward
+from tracer.plan import Rename, _regex, logical_names, unwrapped
 
 # (module name, module) -> (output layout, grad_output layout) of a plain local output, or None.
 LocalLayouts = Callable[[str, nn.Module], "tuple[Layout, Layout] | None"]
@@ -145,12 +146,11 @@ class DTensorTracer(Tracer):
         if not self.enabled:
             return
         self._local_layouts = local_layouts or (lambda name, module: None)
-        if rename is not None:
-            self._rename = rename
+        self._rename = logical_names(rename)
         names = default_selection(model)
         if modules is not None:
             pats = [_regex(p) for p in modules]
-            names = [n for n, _ in model.named_modules() if n and any(p.match(n) for p in pats)]
+            names = [n for n, _ in model.named_modules() if n and any(p.match(unwrapped(n)) for p in pats)]
         mods = dict(model.named_modules())
         for name in names if self.traces("output", "grad_output") else ():
             m = mods[name]
@@ -178,31 +178,43 @@ class DTensorTracer(Tracer):
                 return layout_of(t)
             return _resolve(declared[1 if grad else 0], t.ndim)
 
+        calls = self._calls
+
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             is_seq = isinstance(output, (tuple, list))
             out = output[0] if is_seq else output
             if not isinstance(out, torch.Tensor) or self._step is None:
                 return None
-            mb, step, feed = self._microbatch, self._step, self._feed
+            step, feed = self._step, self._feed
             layout = layouts(out, False)
-            self.record(path, "output", local_of(out), layout, microbatch=mb, module_type=module_type)
+            recomputed = in_backward() != -1   # tracer.module_calls, as Tracer's hook
+            if recomputed:
+                call = calls.recomputed(path, step, out.shape)
+                mb, at = call.microbatch, call.at
+            else:
+                mb = self._microbatch
+                at = calls.name(path, mb)
+                self.record(path, "output", local_of(out), layout, microbatch=mb, module_type=module_type,
+                            at=at)
             if feed is not None:   # isolation pass: downstream sees the reference's output
-                out = _substitute(feed, out, canonical_name(step, mb, path, "output"), layout)
-            if out.requires_grad:
+                out = _substitute(feed, out, canonical_name(step, mb, at, "output"), layout)
+            if out.requires_grad and not (recomputed and call.hooked):
                 def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
                     prev, self._step = self._step, step
                     glayout = layouts(grad, True)
                     try:
                         self.record(path, "grad_output", local_of(grad), glayout, microbatch=mb,
-                                    module_type=module_type, scale=self._grad_scale)
+                                    module_type=module_type, scale=self._grad_scale, at=at)
                     finally:
                         self._step = prev
                     if feed is None:
                         return None
-                    ref = feed.local(canonical_name(step, mb, path, "grad_output"), glayout, local_of(grad),
+                    ref = feed.local(canonical_name(step, mb, at, "grad_output"), glayout, local_of(grad),
                                      scale=1.0 / self._grad_scale)
                     return None if ref is None else _like(ref, grad)
                 on_grad(out, grad_hook)
+            if not recomputed:
+                calls.ran(path, (mb, at, out.requires_grad, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out
@@ -232,7 +244,9 @@ def _substitute(feed: Any, out: torch.Tensor, name: str, layout: Layout) -> torc
         for pl in out.placements:
             if isinstance(pl, _MaskPartial) and pl.mask_buffer.data is not None:
                 pl.mask_buffer.release_mask()
-    return _Substitute.apply(out, ref) if out.requires_grad else ref
+    # A copy without grad: the reference's own tensor handed on could be changed in place or made the
+    # output of an autograd Function (tracer.feed.ReferenceFeed.substitute).
+    return _Substitute.apply(out, ref) if out.requires_grad else _like(local.clone(), out)
 
 
 def _resolve(layout: Layout, ndim: int) -> Layout:
