@@ -58,6 +58,9 @@ class Parallel:
     vpp: int = 1
     cp: int = 1
     ep: int = 1
+    # Activation recomputation in the candidate: none | full (every transformer block's forward run
+    # again in backward). The reference never recomputes: a check shows recomputation changes nothing.
+    recompute: str = "none"
 
 
 @dataclass

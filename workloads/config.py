@@ -11,6 +11,7 @@ from tracer.errors import ConfigError
 from workloads import bugs, faults
 
 SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp8")   # see workloads/precision.py
+RECOMPUTE = ("none", "full")   # parallel.recompute: activation recomputation of every transformer block
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class ParallelConfig:
     vpp: int = 1          # virtual pipeline: model chunks per PP rank (interleaved 1F1B)
     cp: int = 1           # context parallelism: ring attention over zigzag sequence chunks
     ep: int = 1           # expert parallelism (carved out of DP): experts sharded over ep DP ranks
+    recompute: str = "none"   # activation recomputation: none | full (each transformer block, RECOMPUTE)
 
     @property
     def dp(self) -> int:
@@ -115,7 +117,8 @@ def parse(spec: Mapping[str, Any]) -> Config:
         name=str(p.get("name", "parallel")), world_size=_get(p, "parallel", "world_size", int),
         tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)),
         zero1=bool(p.get("zero1", False)), vpp=int(p.get("vpp", 1) or 1),
-        cp=int(p.get("cp", 1) or 1), ep=int(p.get("ep", 1) or 1))
+        cp=int(p.get("cp", 1) or 1), ep=int(p.get("ep", 1) or 1),
+        recompute=str(p.get("recompute") or "none"))
     return Config(
         model=model, parallel=parallel,
         precision=str((spec.get("precision") or {}).get("name", "fp32")),
@@ -176,6 +179,7 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
          "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
+    need(p.recompute in RECOMPUTE, f"parallel.recompute={p.recompute} must be one of {', '.join(RECOMPUTE)}")
     need(cfg.bug_from_step >= 1, f"bug.from_step={cfg.bug_from_step} must be >= 1 (the stale state is the "
                                  "previous step's)")
     need(cfg.bug_from_step == bugs.DEFAULT_FROM_STEP or cfg.bug == bugs.NONE or bugs.reads_from_step(cfg.bug),

@@ -27,7 +27,7 @@ from workloads.layers import (
     VocabParallelEmbedding,
 )
 from workloads.mappings import copy_to_tp_region, gather_from_sp_region, scatter_to_sp_region
-from workloads.model import TokenLoss
+from workloads.model import TokenLoss, run_layers
 from workloads.parallel_state import ParallelState
 
 ROPE_THETA = 10000.0
@@ -248,6 +248,7 @@ class LlamaStage(nn.Module):
                 self.embedding.word.weight.norm_duplicate = not self.is_first
         self.layers = nn.ModuleList(Block(cfg, ps, dq_scale_bug, expert_groups, router_bug)
                                     for _ in range(per_stage))
+        self.recompute = cfg.parallel.recompute
         if cfg.model.experts:
             from tracer import PipelineRenaming
             from workloads.moe import ExpertRenaming
@@ -264,8 +265,7 @@ class LlamaStage(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embedding(x) if self.is_first else x
-        for layer in self.layers:
-            h = layer(h)
+        h = run_layers(self.layers, h, self.recompute)
         if not self.is_last:
             return h
         return self.loss(self.head(self.final_norm(h)), labels)

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from workloads.config import Config
 from workloads.layers import (
@@ -118,6 +119,15 @@ class TokenLoss(nn.Module):
         return vocab_parallel_cross_entropy(logits.float(), labels, self.group, self.vocab_start)
 
 
+def run_layers(layers: nn.ModuleList, h: torch.Tensor, recompute: str) -> torch.Tensor:
+    """The transformer layers in order. recompute="full": each layer's forward runs again in backward,
+    as Megatron's full recompute (uniform, one layer a chunk) does it: reentrant, the first forward
+    under no_grad keeping only the layer's input."""
+    for layer in layers:
+        h = checkpoint(layer, h, use_reentrant=True) if recompute == "full" else layer(h)
+    return h
+
+
 class GPTStage(nn.Module):
     """The layers of one pipeline stage: embedding on the first, final LN + head + loss on the last."""
 
@@ -129,6 +139,7 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.embedding = Embedding(cfg, ps)
         self.layers = nn.ModuleList(Block(cfg, ps, row_bias_bug) for _ in range(per_stage))
+        self.recompute = cfg.parallel.recompute
         if self.is_last:
             self.final_ln = _layer_norm(cfg.model.hidden, cfg.parallel.sp)
             # LM head: column-parallel without bias; logits stay vocab-sharded for the loss.
@@ -140,8 +151,7 @@ class GPTStage(nn.Module):
         """First stage takes token ids, others the previous stage's hidden states; the last stage
         returns the per-token loss [b, s], the others hidden states."""
         h = self.embedding(x) if self.is_first else x
-        for layer in self.layers:
-            h = layer(h)
+        h = run_layers(self.layers, h, self.recompute)
         if not self.is_last:
             return h
         return self.loss(self.head(self.final_ln(h)), labels)

@@ -1,6 +1,7 @@
 """Real checks: Ray-scheduled multi-rank gloo jobs, comparison, MLflow; clean passes, bugs are named."""
 
 import json
+import re
 
 import pytest
 
@@ -55,6 +56,8 @@ FAULTS = {
     "hang": "job 'candidate' timed out",      # a rank blocks; its peer waits in a collective
 }
 STATS = ["parallel=tp2_sp", "trace.mode=stats", "tracking.enabled=false"]
+RECOMPUTE = ["parallel=tp2_sp", "parallel.recompute=full", "tolerance.perturbations=2",
+             "tracking.enabled=false"]
 # Checks of their own run in the same batch, while the hang waits out its timeout (the suite's cores
 # sat idle through it: 19 of its 23 s).
 BESIDE = {
@@ -62,6 +65,8 @@ BESIDE = {
             "tolerance.perturbations=2", "tracking.enabled=false"],
     "stats": STATS,
     "stats_bug": [*STATS, "bug=sp_layernorm_grad_unreduced"],
+    "recompute": RECOMPUTE,   # Megatron-style full recomputation (reentrant) in the candidate only
+    "recompute_bug": [*RECOMPUTE, "bug=sp_layernorm_grad_unreduced"],
     # the comparison measured in two Ray tasks (orchestrator/compare_tasks.py)
     **{f"shares_{bug}": ["parallel=tp2", f"bug={bug}", "cluster.compare_workers=2",
                          "tolerance.perturbations=2", "tracking.enabled=false"]
@@ -132,3 +137,26 @@ def test_stats_mode_passes_the_clean_check_and_flags_the_unreduced_layernorm_gra
     fd = buggy.report["first_divergence"]
     assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
     assert "trace.mode=stats" in buggy.report["localization_error"]   # no values to feed an isolation pass
+
+
+def test_full_recomputation_records_the_same_tensors_passes_clean_and_localizes_a_bug(batch):
+    """parallel.recompute=full: every block's forward runs again in backward (its first forward under
+    no_grad, Megatron's way). The candidate traces the very tensors a run without it traces (the
+    recomputations are matched to their forwards, tracer/module_calls.py), the clean check passes, and
+    the isolation pass, which must hand the reference's activations on in the recomputation too,
+    still pins the bug on its module alone."""
+    clean, buggy, plain = batch["recompute"], batch["recompute_bug"], batch["shares_none"]
+    assert clean.verdict == "pass" and clean.exit_code == 0, (clean.message,
+                                                              clean.report.get("first_divergence"))
+    # Each candidate rank recomputed (its log says how often), a candidate without the option did not.
+    logs = lambda res, run: [(res.report_path.parent / p).read_text() for p in res.report["logs"][run]]
+    said = [re.findall(r"activation recomputation: (\d+) forwards", log) for log in logs(clean, "candidate")]
+    assert len(said) == 2 and said[0] == said[1] and int(said[0][0]) > 0, said
+    assert not any("activation recomputation" in log for log in logs(plain, "candidate"))
+    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
+    assert names(clean) == names(plain) and len(names(clean)) > 800
+    assert buggy.verdict == "fail" and buggy.exit_code == 1, buggy.message
+    fd, culprit = buggy.report["first_divergence"], buggy.report["culprit"]
+    assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
+    assert culprit["resolved"] and culprit["module"] == fd["module"], culprit
+    assert buggy.report["blame_window"]["size"] == 1, buggy.report["blame_window"]

@@ -60,7 +60,8 @@ def test_validate_names_what_is_unsupported():
         torch_native.validate(spec("parallel=pp2"))
 
 
-CLEAN = ["tp2_sp"]
+# tp2_sp, and tp2_sp with torchtitan's full activation checkpointing (each block checkpoint-wrapped)
+CLEAN = {"tp2_sp": ["parallel=tp2_sp"], "tp2_sp_recompute": ["parallel=tp2_sp", "parallel.recompute=full"]}
 BUGGY = {"tn_gqa_kv_gathered_output": ("tp2", "layers.3.attention.w[kv]", "grad_output")}
 
 
@@ -72,7 +73,7 @@ def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("torch_native_checks")
     common = ["job=torch_native", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
-    items = [(compose([f"parallel={p}", *common]), work / f"clean-{p}") for p in CLEAN]
+    items = [(compose([*over, *common]), work / f"clean-{p}") for p, over in CLEAN.items()]
     # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced.
     items += [(compose([f"parallel={p}", f"bug={b}", *common]), work / b) for b, (p, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
@@ -84,6 +85,11 @@ def test_clean_torch_native_passes(results, parallel):
     res = results[f"clean-{parallel}"]
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
     assert len(res.report["tensors"]) > 500
+    if parallel.endswith("recompute"):   # the wrapper's attribute is in no name: the same tensors traced
+        names = lambda res: sorted(t["name"] for t in res.report["tensors"])
+        assert names(res) == names(results["clean-tp2_sp"])
+        logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
+        assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))

@@ -107,6 +107,8 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
+    need(p.recompute == "none", f"parallel.recompute={p.recompute}: activation recomputation is wired for "
+         "job=builtin and job=torch_native; use parallel.recompute=none")
 
 
 def main(session: Session | None = None) -> dict[str, Any]:

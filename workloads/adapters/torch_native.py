@@ -31,7 +31,7 @@ from torch import nn
 from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
-from workloads.config import Config, parse
+from workloads.config import RECOMPUTE, Config, parse
 from workloads.llama import rotary
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
@@ -135,7 +135,8 @@ def _replicated_kv_style() -> Any:
 
 
 def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
-    """torchtitan's recipe: TP(+SP) plan per block, then FSDP2 per block and at the root."""
+    """torchtitan's recipe: TP(+SP) plan per block, activation checkpointing (parallel.recompute), then
+    FSDP2 per block and at the root."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -188,6 +189,13 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
             block.attention.kv_offset = tp_rank * (m.num_kv_heads // tp) if kv_sharded else 0
         if model.tied:   # parallelize_module made two DTensor copies (both Shard(0)): tie them again
             model.output.weight = model.tok_embeddings.weight
+    if cfg.parallel.recompute == "full":
+        # torchtitan's apply_ac (mode "full"), between TP and FSDP: each block wrapped for non-reentrant
+        # activation checkpointing. The wrapper's attribute is no part of a traced name (tracer.plan).
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers.register_module(str(i), checkpoint_wrapper(block, preserve_rng_state=False))
     if mesh["dp"].size() > 1:
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
@@ -278,6 +286,7 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a torch-native bug; known: {', '.join(ours)} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
+    need(p.recompute in RECOMPUTE, f"parallel.recompute={p.recompute} must be one of {', '.join(RECOMPUTE)}")
 
 
 def main(session: Session | None = None) -> dict[str, Any]:
