@@ -1,7 +1,8 @@
 """job=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
 (DistributedConfig(tp_size=2), real library code on CPU/gloo) against the same model in one process.
 Param layouts come from its DTensor placements, output layouts from its TP styles
-(tracer/integrations/hf.py). Clean tp2 passes; a K/V plan that leaves input grads unreduced exits 1."""
+(tracer/integrations/hf.py). Clean tp2 passes, with transformers' activation checkpointing switched on
+as a user switches it; a K/V plan that leaves input grads unreduced exits 1 (without it)."""
 
 import pytest
 
@@ -43,7 +44,7 @@ def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("hf_checks")
     common = ["job=hf", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
-    items = [(compose(["parallel=tp2", *common]), work / "clean-tp2")]
+    items = [(compose(["parallel=tp2", "parallel.recompute=full", *common]), work / "clean-tp2")]
     items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
     return dict(zip(["clean-tp2", *BUGGY], out, strict=True))
@@ -54,6 +55,12 @@ def test_clean_hf_tp_passes(results):
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
     assert res.report["recipe"]["model"]["name"] == "llama_tiny_kv2"
     assert len(res.report["tensors"]) > 500
+    # activation_checkpointing_enable(): every decoder layer recomputed (non-reentrant, transformers'
+    # default), the tensors traced those of a check without it (the bug's: its report lists them all)
+    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
+    assert names(res) == names(results["hf_gqa_kv_replicated_plan"])
+    logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
+    assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))

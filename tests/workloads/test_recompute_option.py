@@ -1,7 +1,8 @@
 """parallel.recompute (activation recomputation in the candidate) as each built-in job validates it:
-the built-in trainer and the torch-native job take `full`, no job takes an unknown mode, and the jobs
-whose recomputation is not wired refuse it rather than ignore it. (That a check with it passes and
-names a bug: tests/ray/test_checks.py, tests/ray/test_job_torch_native.py.)"""
+the built-in trainer, the torch-native and the Hugging Face jobs take `full`, no job takes an unknown
+mode, and megatron-core's job, whose recomputation is not wired, refuses it rather than ignore it.
+(That a check with it passes and names a bug: tests/ray/test_checks.py, test_job_torch_native.py,
+test_job_hf.py.)"""
 
 import pytest
 
@@ -23,8 +24,9 @@ def test_each_job_takes_full_recomputation_or_refuses_it():
         builtin(spec("parallel.recompute=selective"))
     with pytest.raises(ConfigError, match="parallel.recompute=selective must be one of none, full"):
         torch_native.validate(spec("job=torch_native", "parallel=tp2_sp", "parallel.recompute=selective"))
-    with pytest.raises(ConfigError, match="recomputation is wired for job=builtin and job=torch_native"):
-        hf.validate(spec("job=hf", "parallel=tp2", "parallel.recompute=full"))
-    with pytest.raises(ConfigError, match="wired for job=builtin and job=torch_native only"):
+    hf.validate(spec("job=hf", "parallel=tp2", "parallel.recompute=full"))
+    with pytest.raises(ConfigError, match="parallel.recompute=selective must be one of none, full"):
+        hf.validate(spec("job=hf", "parallel=tp2", "parallel.recompute=selective"))
+    with pytest.raises(ConfigError, match="wired for job=builtin, job=torch_native and job=hf only"):
         megatron_core.validate(spec("job=megatron_core", "parallel=tp2", "parallel.recompute=full"))
     megatron_core.validate(spec("job=megatron_core", "parallel=tp2"))

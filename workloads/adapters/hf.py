@@ -31,7 +31,7 @@ from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
-from workloads.config import Config, parse
+from workloads.config import RECOMPUTE, Config, parse
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 
@@ -76,6 +76,8 @@ def load(cfg: Config, directory: str) -> Any:
 
         kw["distributed_config"] = DistributedConfig(tp_size=cfg.parallel.tp, tp_plan=tp_plan(cfg))
     model = LlamaForCausalLM.from_pretrained(directory, **kw)
+    if cfg.parallel.recompute == "full":   # transformers' own switch, as a user flips it (its defaults)
+        model.activation_checkpointing_enable()
     model.train()
     return model
 
@@ -107,8 +109,7 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
-    need(p.recompute == "none", f"parallel.recompute={p.recompute}: activation recomputation is wired for "
-         "job=builtin and job=torch_native; use parallel.recompute=none")
+    need(p.recompute in RECOMPUTE, f"parallel.recompute={p.recompute} must be one of {', '.join(RECOMPUTE)}")
 
 
 def main(session: Session | None = None) -> dict[str, Any]:

@@ -71,8 +71,8 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
     need(int(spec["steps"]) >= 1, f"steps={spec['steps']} must be >= 1")
     need((p.get("recompute") or "none") == "none", f"parallel.recompute={p.get('recompute')}: "
-         "megatron-core's recomputation keeps CUDA RNG states; it is wired for job=builtin and "
-         "job=torch_native only")
+         "megatron-core's recomputation keeps CUDA RNG states; it is wired for job=builtin, "
+         "job=torch_native and job=hf only")
 
 
 # -- bug injection: patch the real megatron-core function at fault -------------------------------
