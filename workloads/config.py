@@ -12,6 +12,7 @@ from workloads import bugs, faults
 
 SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp8")   # see workloads/precision.py
 RECOMPUTE = ("none", "full")   # parallel.recompute: activation recomputation of every transformer block
+RECOMPUTE_REFUSED = "parallel.recompute={} must be one of " + ", ".join(RECOMPUTE)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
          "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
-    need(p.recompute in RECOMPUTE, f"parallel.recompute={p.recompute} must be one of {', '.join(RECOMPUTE)}")
+    need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
     need(cfg.bug_from_step >= 1, f"bug.from_step={cfg.bug_from_step} must be >= 1 (the stale state is the "
                                  "previous step's)")
     need(cfg.bug_from_step == bugs.DEFAULT_FROM_STEP or cfg.bug == bugs.NONE or bugs.reads_from_step(cfg.bug),

@@ -31,7 +31,7 @@ from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
-from workloads.config import RECOMPUTE, Config, parse
+from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED, Config, parse
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 
@@ -109,7 +109,7 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
-    need(p.recompute in RECOMPUTE, f"parallel.recompute={p.recompute} must be one of {', '.join(RECOMPUTE)}")
+    need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
 
 
 def main(session: Session | None = None) -> dict[str, Any]:
