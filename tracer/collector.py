@@ -23,7 +23,7 @@ from torch import nn
 from tracer.fingerprint_log import SCAN_MODE, FingerprintLog
 from tracer.forward_taps import on_grad, tap_forward
 from tracer.layouts import Layout, Replicate
-from tracer.module_calls import ModuleCalls, in_backward
+from tracer.module_calls import ModuleCalls
 from tracer.plan import Plan, Rename, logical_names, param_layouts, traced_modules
 from tracer.routing import ROUTER_TYPES, hand_on_reference
 from tracer.writer import TraceWriter
@@ -264,17 +264,13 @@ class Tracer:
             if step is None or not isinstance(out, torch.Tensor):
                 return None
             feed = self._feed
-            recomputed = in_backward() != -1   # activation recomputation: its first forward's tensor again
-            if recomputed:
-                call = calls.recomputed(path, step, out.shape)
-                mb, at = call.microbatch, call.at
-            else:
-                mb = self._microbatch
-                at = calls.name(path, mb)   # a module called again in this microbatch: path#k
-                if want_out:   # canonical_name, tracer.writer.FIELDS
-                    add((f"{step}/{'-' if mb is None else mb}/{at}/output", path, module_type, "output", step,
-                         mb, self._seq, lay, 1.0), out)
-                    self._seq += 1
+            # A recomputation (`again`: its first forward) is that forward's tensor again: not recorded.
+            # A module called again in this microbatch is named path#k (tracer.module_calls).
+            again, mb, at = calls.forward(path, step, self._microbatch, out.shape)
+            if again is None and want_out:   # canonical_name, tracer.writer.FIELDS
+                add((f"{step}/{'-' if mb is None else mb}/{at}/output", path, module_type, "output", step,
+                     mb, self._seq, lay, 1.0), out)
+                self._seq += 1
             if router and self._replay is not None:
                 hand_on_reference(self._replay, canonical_name(step, mb, at, "output"), layout, out)
             if feed is not None:   # isolation pass: downstream sees the reference's output (rebuilt too)
@@ -282,9 +278,9 @@ class Tracer:
             grads = out.requires_grad and (want_grad or feed is not None)
             # A recomputation's output needs the hook only where its first forward ran under no_grad
             # (reentrant checkpointing); otherwise the first forward's output has it.
-            if grads and not (recomputed and call.hooked):
+            if grads and not (again is not None and again.hooked):
                 on_grad(out, grad_hook_for(step, mb, at))
-            if not recomputed:
+            if again is None:
                 calls.ran(path, (mb, at, grads, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None

@@ -48,6 +48,15 @@ class ModuleCalls:
         self._count: dict[tuple[int | None, str], int] = {}
         self._open: dict[str, deque[tuple]] = {}   # path -> its forwards not recomputed yet
 
+    def forward(self, path: str, step: int, microbatch: int | None,
+                shape: torch.Size) -> tuple[Call | None, int | None, str]:
+        """A traced module's forward hook starts here: (the forward this one repeats when it is a
+        recomputation, else None; the microbatch and the path its records are named by)."""
+        if in_backward() != -1:   # a forward inside autograd's backward: activation recomputation
+            call = self.recomputed(path, step, shape)
+            return call, call.microbatch, call.at
+        return None, microbatch, self.name(path, microbatch)
+
     def name(self, path: str, microbatch: int | None) -> str:
         """The path this forward of `path` in `microbatch` is recorded under (module doc)."""
         key = (microbatch, path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -289,8 +290,7 @@ def _named_twice(entries: list[dict[str, Any]]) -> str | None:
     """Why a trace holding two records of one name is incomplete: a comparison would see one of them
     (the collector names each call of a module apart: tracer.module_calls; a caller's own `record`
     repeated for one step and microbatch is not)."""
-    seen: set[str] = set()
-    twice = sorted({e["name"] for e in entries if e["name"] in seen or seen.add(e["name"])})
+    twice = sorted(name for name, n in Counter(e["name"] for e in entries).items() if n > 1)
     if not twice:
         return None
     return (f"{len(twice)} name(s) recorded twice in one trace, e.g. {twice[:3]}: a comparison would see "

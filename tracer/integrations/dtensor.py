@@ -44,7 +44,6 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 from tracer.collector import Tracer, canonical_name
 from tracer.forward_taps import on_grad
 from tracer.layouts import Layout
-from tracer.module_calls import in_backward
 from tracer.plan import Rename, _regex, logical_names, unwrapped
 
 # (module name, module) -> (output layout, grad_output layout) of a plain local output, or None.
@@ -187,18 +186,13 @@ class DTensorTracer(Tracer):
                 return None
             step, feed = self._step, self._feed
             layout = layouts(out, False)
-            recomputed = in_backward() != -1   # tracer.module_calls, as Tracer's hook
-            if recomputed:
-                call = calls.recomputed(path, step, out.shape)
-                mb, at = call.microbatch, call.at
-            else:
-                mb = self._microbatch
-                at = calls.name(path, mb)
+            again, mb, at = calls.forward(path, step, self._microbatch, out.shape)   # as Tracer's hook
+            if again is None:
                 self.record(path, "output", local_of(out), layout, microbatch=mb, module_type=module_type,
                             at=at)
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = _substitute(feed, out, canonical_name(step, mb, at, "output"), layout)
-            if out.requires_grad and not (recomputed and call.hooked):
+            if out.requires_grad and not (again is not None and again.hooked):
                 def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
                     prev, self._step = self._step, step
                     glayout = layouts(grad, True)
@@ -213,7 +207,7 @@ class DTensorTracer(Tracer):
                                      scale=1.0 / self._grad_scale)
                     return None if ref is None else _like(ref, grad)
                 on_grad(out, grad_hook)
-            if not recomputed:
+            if again is None:
                 calls.ran(path, (mb, at, out.requires_grad, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None
