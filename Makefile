@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m orchestrator.demo
 
-# The single-process tests on several cores, then the multi-rank ones on one Ray cluster (scripts/run_tests.sh).
+# The multi-rank tests on one Ray cluster, the single-process ones beside them on several cores (scripts/run_tests.sh).
 test: setup chromium
 	PY=$(BIN)/python sh scripts/run_tests.sh tests
 

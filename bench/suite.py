@@ -4,8 +4,8 @@ Issue 16 wants `make test` under 10 minutes on a fresh 2-core clone. Wall time a
 why a run was slow or whether a change helped on a shared machine; this runs the tests once as
 `make test` does (scripts/run_tests.sh) and records beside it what the machine did meanwhile:
 
-- busy CPU-seconds of the whole machine (/proc/stat) and their share of what the cores could give: a
-  CPU-bound suite gains from less work, not from packing it differently;
+- busy CPU-seconds of the whole machine (/proc/stat) and their share of what the cores could give:
+  the idle share is what packing the work differently can still win, beyond it only less work helps;
 - Ray workers started (log files of the test session's Ray cluster): each boots Python and Ray
   (~0.8 s of CPU on an idle machine) and some then import torch;
 - the peak memory in use (MemTotal - MemAvailable, sampled every second).
@@ -98,7 +98,7 @@ def measure(cmd: list[str], cwd: Path, cpus: int, env: dict[str, str] | None = N
            "wall_s": round(wall, 1), "busy_cpu_s": round(busy, 1),
            "cpu_busy_share": round(busy / (wall * cpus), 3), "ray_sessions": len(new),
            "ray_workers_started": workers, "peak_mem_used_mb": round(peak[0]),
-           # the two phases' own figures (pytest's summary lines: single-process, then multi-rank)
+           # the two parts' own figures (pytest's summary lines: multi-rank, then single-process)
            "pytest_phases_s": [float(x) for x in re.findall(r" in ([0-9.]+)s", proc.stdout)]}
     if stamp is not None:
         out["setup_s"] = setup[0]
@@ -123,7 +123,7 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     if args.fresh_clone:
         measured = {"fresh_clone": True, **fresh_clone(cpus)}
-    else:   # as `make test` runs them: the single-process tests on several cores, then the multi-rank ones
+    else:   # as `make test` runs them: the multi-rank tests, the single-process ones beside them
         pytest_args = pytest_args or ["tests"]
         measured = {"pytest_args": pytest_args,
                     **measure(["sh", str(ROOT / "scripts" / "run_tests.sh"), *pytest_args], ROOT, cpus,
