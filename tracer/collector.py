@@ -276,12 +276,10 @@ class Tracer:
             if feed is not None:   # isolation pass: downstream sees the reference's output (rebuilt too)
                 out = feed.substitute(out, canonical_name(step, mb, at, "output"), layout)
             grads = out.requires_grad and (want_grad or feed is not None)
-            # A recomputation's output needs the hook only where its first forward ran under no_grad
-            # (reentrant checkpointing); otherwise the first forward's output has it.
-            if grads and not (again is not None and again.hooked):
+            if grads:   # a recomputation's too: it fires on the output backward runs through (module_calls)
                 on_grad(out, grad_hook_for(step, mb, at))
             if again is None:
-                calls.ran(path, (mb, at, grads, out.shape))   # tracer.module_calls.Call
+                calls.ran(path, (mb, at, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out

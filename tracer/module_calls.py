@@ -7,9 +7,13 @@ A module can run more than once for one microbatch:
   recomputation  activation checkpointing (torch.utils.checkpoint, Megatron's recompute) runs the
                  forward again during backward to rebuild what it freed. That is the same tensor as the
                  first forward's, not a new one: it is not recorded again. It is matched to its first
-                 forward, whose name its gradient (reentrant checkpointing runs the first forward
-                 under no_grad: only the recomputed output has a gradient) and the isolation pass's
-                 substitution (which must rebuild the activations the first forward handed on) use.
+                 forward, whose name its gradient and the isolation pass's substitution (which must
+                 rebuild the activations the first forward handed on) use. Its output gets a gradient
+                 hook as the first forward's did: under reentrant checkpointing (torch's, Megatron's)
+                 backward runs through the recomputed output only, the first forward's graph having
+                 been made under no_grad, or dropped (Megatron runs its bias-dropout-add under
+                 enable_grad even there); under non-reentrant checkpointing the recomputed graph only
+                 rebuilds saved tensors and is never run backward, so that hook never fires.
 
 A recomputation is matched to the oldest forward of the same module in this step that has not been
 recomputed yet: every pipeline schedule runs the microbatches' backwards in the order of their
@@ -29,11 +33,10 @@ in_backward = torch._C._current_graph_task_id   # -1 outside autograd's backward
 
 
 class Call(NamedTuple):
-    """One forward of a traced module: its microbatch, the path its records are named by, whether its
-    output got a gradient hook, the output's shape."""
+    """One forward of a traced module: its microbatch, the path its records are named by, the output's
+    shape."""
     microbatch: int | None
     at: str
-    hooked: bool
     shape: torch.Size
 
 

@@ -4,6 +4,7 @@ whose attribute is no part of a name: tracer.plan.unwrapped) records what a run 
 isolation pass included, by the plan's tracer and the DTensor one; what cannot be matched, or two
 records of one name, is an error."""
 
+import contextlib
 import functools
 import json
 import re
@@ -25,21 +26,27 @@ PLAN = {name: ModuleLayout() for name in ("emb", "blk.a", "blk.b", "head")}
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, grad_always: bool = False):
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.grad_always = grad_always
 
     def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
+        # grad_always: as Megatron's TransformerLayer runs its bias-dropout-add, under enable_grad even in
+        # a checkpoint's no_grad first forward, whose graph is then dropped
+        with torch.enable_grad() if self.grad_always else contextlib.nullcontext():
+            return self.b(torch.tanh(self.a(x)))
 
 
 class Model(nn.Module):
-    """emb -> blk (once, twice, checkpointed, or checkpoint-wrapped as torchtitan does) -> head."""
+    """emb -> blk (once, twice, checkpointed reentrant or not, checkpointed reentrant as Megatron's layer
+    with a graph in its first forward, or checkpoint-wrapped as torchtitan does) -> head."""
 
     def __init__(self, blk: str = "once"):
         super().__init__()
         torch.manual_seed(0)
-        self.emb, self.blk, self.head, self.how = nn.Linear(4, 4), Block(), nn.Linear(4, 4), blk
+        self.emb, self.blk, self.head = nn.Linear(4, 4), Block(grad_always=blk == "megatron"), nn.Linear(4, 4)
+        self.how = blk
         if blk == "wrapped":   # non-reentrant; its parameters named blk._checkpoint_wrapped_module.a...
             self.blk = checkpoint_wrapper(self.blk)
 
@@ -50,7 +57,7 @@ class Model(nn.Module):
         elif self.how == "twice":
             h = self.blk(self.blk(x))
         else:
-            h = checkpoint(self.blk, x, use_reentrant=self.how == "reentrant")
+            h = checkpoint(self.blk, x, use_reentrant=self.how in ("reentrant", "megatron"))
         return self.head(h)
 
 
@@ -103,10 +110,11 @@ def test_a_module_called_twice_in_a_forward_gets_a_record_per_call(tmp_path):
 
 
 @pytest.mark.parametrize("dtensor", [False, True], ids=["plan", "dtensor"])
-@pytest.mark.parametrize("how", ["reentrant", "nonreentrant", "wrapped"])
+@pytest.mark.parametrize("how", ["reentrant", "megatron", "nonreentrant", "wrapped"])
 def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path, how, dtensor, capsys):
     """The recomputed forward is not recorded again, and the gradient is named by the forward it
-    repeats (reentrant: the first forward ran under no_grad, only the recomputed output has one).
+    repeats (reentrant: backward runs through the recomputed output only, also where the first forward
+    made a graph of its own, as Megatron's layer does).
     In the isolation pass the recomputation hands on the reference's output again: the activations it
     rebuilds are those the first forward handed on (the candidate's blk.a is off by 2%)."""
     run = functools.partial(train, dtensor=dtensor)
@@ -114,7 +122,7 @@ def test_activation_recomputation_records_what_a_run_without_it_records(tmp_path
     # Said in the rank's log. Reentrant reruns blk.a and blk.b per microbatch; non-reentrant stops once
     # the tensors backward needs are rebuilt (blk.b's output is not one of them, in torch 2.13).
     said = re.findall(r"activation recomputation: (\d+) forwards", capsys.readouterr().err)
-    assert said == (["4"] if how == "reentrant" else ["2"]), said
+    assert said == (["4"] if how in ("reentrant", "megatron") else ["2"]), said
     assert recomputed.order == plain.order and len(plain.order) == 16 + 8
     for name in plain.order:
         assert torch.equal(recomputed.tensors[name].tensor, plain.tensors[name].tensor), name

@@ -192,7 +192,7 @@ class DTensorTracer(Tracer):
                             at=at)
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = _substitute(feed, out, canonical_name(step, mb, at, "output"), layout)
-            if out.requires_grad and not (again is not None and again.hooked):
+            if out.requires_grad:   # a recomputation's too (tracer.module_calls)
                 def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
                     prev, self._step = self._step, step
                     glayout = layouts(grad, True)
@@ -208,7 +208,7 @@ class DTensorTracer(Tracer):
                     return None if ref is None else _like(ref, grad)
                 on_grad(out, grad_hook)
             if again is None:
-                calls.ran(path, (mb, at, out.requires_grad, out.shape))   # tracer.module_calls.Call
+                calls.ran(path, (mb, at, out.shape))   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out
