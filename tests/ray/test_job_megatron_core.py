@@ -2,9 +2,9 @@
 
 Unit (no Ray, two gloo processes): the plan read from megatron's module attributes gives the Megatron
 layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 output (per-group
-layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes and a
-bug injected into megatron-core exits 1 at the module the catalog names, which the isolation pass
-confirms.
+layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes with
+megatron's own full activation recomputation, and a bug injected into megatron-core (run without
+recomputation) exits 1 at the module the catalog names, which the isolation pass confirms.
 """
 
 import fnmatch
@@ -149,7 +149,9 @@ def results(ray_cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("megatron_checks")
     common = ["job=megatron_core", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
-    items = [(compose(["parallel=tp2_sp", *common]), work / "clean-tp2_sp")]
+    # The clean check recomputes every layer in backward (megatron's CheckpointFunction): all of TP+SP's
+    # tracing, and the recomputation besides.
+    items = [(compose(["parallel=tp2_sp", "parallel.recompute=full", *common]), work / "clean-tp2_sp")]
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
     out = run_checks(items, base_dir=str(work))
     return dict(zip(["clean-tp2_sp", *BUGGY], out, strict=True))
@@ -159,6 +161,12 @@ def test_clean_megatron_tp2_sp_passes(results):
     res = results["clean-tp2_sp"]
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
     assert len(res.report["tensors"]) > 500
+    # Recomputed forwards trace nothing new: the tensors of the bug's check, which runs without it (its
+    # report lists every tensor); each rank's log says it recomputed.
+    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
+    assert names(res) == names(results[BUGGY[0]])
+    logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
+    assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
 
 
 @pytest.mark.parametrize("bug", BUGGY)

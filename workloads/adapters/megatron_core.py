@@ -29,6 +29,7 @@ from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.adapters import megatron_shims
+from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED
 
 NAME = "megatron_core"
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
@@ -70,9 +71,7 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(bug == bugs.NONE or bug in _bugs(),
          f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
     need(int(spec["steps"]) >= 1, f"steps={spec['steps']} must be >= 1")
-    need((p.get("recompute") or "none") == "none", f"parallel.recompute={p.get('recompute')}: "
-         "megatron-core's recomputation keeps CUDA RNG states; it is wired for job=builtin, "
-         "job=torch_native and job=hf only")
+    need((p.get("recompute") or "none") in RECOMPUTE, RECOMPUTE_REFUSED.format(p.get("recompute")))
 
 
 # -- bug injection: patch the real megatron-core function at fault -------------------------------
@@ -120,6 +119,12 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     m = spec["model"]
+    # parallel.recompute=full: megatron's full recomputation of every layer (`--recompute-granularity
+    # full --recompute-method uniform --recompute-num-layers 1`): its CheckpointFunction runs each
+    # layer under no_grad and again in backward, its RNG states saved and restored (megatron_shims).
+    full = (spec.get("parallel") or {}).get("recompute") == "full"
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                 "recompute_num_layers": 1} if full else {}
     return TransformerConfig(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         ffn_hidden_size=m["ffn_hidden"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -128,7 +133,7 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0,
         # CPU: the unfused paths (no apex / Transformer Engine kernels)
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False)
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, **recompute)
 
 
 def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:

@@ -1,11 +1,13 @@
 """CPU shims that let megatron-core's real code run without a GPU (gloo process groups).
 
-megatron-core assumes CUDA in three places the tiny GPT touches: tensors allocated on
-`torch.cuda.current_device()`, the CUDA RNG tracker's `fork()` around weight init and dropout, and
-CUDA synchronization in its pipeline p2p code (plus one literal `device="cuda"` in its schedules).
+megatron-core assumes CUDA in four places the tiny GPT touches: tensors allocated on
+`torch.cuda.current_device()`, the CUDA RNG tracker's `fork()` around weight init and dropout, the
+CUDA RNG state that activation recomputation (its CheckpointFunction) saves and restores, and CUDA
+synchronization in its pipeline p2p code (plus one literal `device="cuda"` in its schedules).
 On a machine without CUDA, `install()` points the first at the CPU, makes the second a null context
-(dropout is off and weights come from ttrace's consistent generator, so no RNG stream is needed) and
-the third a no-op. Two more stand-ins: megatron's unfused softmax needs an explicit boolean causal
+(dropout is off and weights come from ttrace's consistent generator, so no RNG stream is needed), the
+third a state of nothing (the CPU generator's state is saved and restored beside it, as on a GPU) and
+the fourth a no-op. Two more stand-ins: megatron's unfused softmax needs an explicit boolean causal
 mask (`causal_mask`), and its torch LayerNorm wrapper refuses sequence parallelism (`TorchNorm`).
 Nothing here changes numerics. With CUDA present, `install()` does nothing.
 """
@@ -31,6 +33,8 @@ def install() -> None:
     torch.cuda.synchronize = lambda *a, **k: None   # pipeline p2p "race" guard
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: None
+    mrandom._get_cuda_rng_state = lambda *a, **k: None   # recomputation's CUDA generator state
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _CpuTorch()   # its token counter is allocated with a literal device="cuda"
