@@ -123,6 +123,7 @@ def compare_stored(rec: dict[str, Any], output_dir: Path, base_dir: str, root: s
         p.report["reference"] = {"url": root, "cache": "external", "key": "",
                                  "runs": {"reference": reference, "perturbed": perturbed,
                                           "candidate": candidate, "isolated": isolated}}
+        rec["tolerance"]["perturbations"] = len(perturbed)   # the R this judgement uses
         policy = TolerancePolicy.from_config(rec["tolerance"])
         at = lambda run, trace: RunAt(root, run, trace.world_size)
         pert_at = [at(r, t) for r, t in zip(perturbed, pert, strict=True)]
