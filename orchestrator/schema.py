@@ -59,7 +59,8 @@ class Parallel:
     cp: int = 1
     ep: int = 1
     # Activation recomputation in the candidate: none | full (every transformer block's forward run
-    # again in backward). The reference never recomputes: a check shows recomputation changes nothing.
+    # again in backward) | selective (the core attention's). The reference never recomputes: a check
+    # shows recomputation changes nothing.
     recompute: str = "none"
 
 

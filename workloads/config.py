@@ -11,8 +11,13 @@ from tracer.errors import ConfigError
 from workloads import bugs, faults
 
 SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp8")   # see workloads/precision.py
-RECOMPUTE = ("none", "full")   # parallel.recompute: activation recomputation of every transformer block
+# parallel.recompute, activation recomputation in backward: of every transformer block (full), or of
+# the core attention only (selective: Megatron's default `--recompute-activations`)
+RECOMPUTE = ("none", "full", "selective")
 RECOMPUTE_REFUSED = "parallel.recompute={} must be one of " + ", ".join(RECOMPUTE)
+# torchtitan's and transformers' recomputation is per block only (torchtitan's selective AC is per op)
+SELECTIVE_REFUSED = ("parallel.recompute=selective (the core attention alone, Megatron's way) is offered by "
+                     "job=builtin and job=megatron_core; this job recomputes whole blocks: use full")
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class ParallelConfig:
     vpp: int = 1          # virtual pipeline: model chunks per PP rank (interleaved 1F1B)
     cp: int = 1           # context parallelism: ring attention over zigzag sequence chunks
     ep: int = 1           # expert parallelism (carved out of DP): experts sharded over ep DP ranks
-    recompute: str = "none"   # activation recomputation: none | full (each transformer block, RECOMPUTE)
+    recompute: str = "none"   # activation recomputation: none | full | selective (RECOMPUTE)
 
     @property
     def dp(self) -> int:

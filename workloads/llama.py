@@ -27,7 +27,7 @@ from workloads.layers import (
     VocabParallelEmbedding,
 )
 from workloads.mappings import copy_to_tp_region, gather_from_sp_region, scatter_to_sp_region
-from workloads.model import TokenLoss, run_layers
+from workloads.model import TokenLoss, core_attention, run_layers
 from workloads.parallel_state import ParallelState
 
 ROPE_THETA = 10000.0
@@ -160,11 +160,12 @@ class Attention(nn.Module):
             p.kv_replicated = ps.sizes["kvr"] > 1
         self.core = GQACoreAttention(cfg, ps, dq_scale_bug)
         self.proj = RowParallelLinear(m.hidden, m.hidden, ps.tp_size, ps.tp_group, sequence_parallel=sp)
+        self.selective = cfg.parallel.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1] * (self.group.size() if self.sp and self.group is not None else 1)
         positions = torch.arange(s, device=x.device)
-        return self.proj(self.core(self.q(x), self.kv(x), positions))
+        return self.proj(core_attention(self.core, self.selective, self.q(x), self.kv(x), positions))
 
 
 class SwiGLU(nn.Module):

@@ -4,6 +4,7 @@ numbered locally on each PP stage, like Megatron, and renamed to global indices 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +75,10 @@ class Attention(nn.Module):
         self.core = CoreAttention(cfg.model.head_dim)
         self.proj = RowParallelLinear(h, h, ps.tp_size, ps.tp_group, sequence_parallel=sp,
                                       bias_per_rank=row_bias_bug)
+        self.selective = cfg.parallel.recompute == "selective"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.core(self.qkv(x)))
+        return self.proj(core_attention(self.core, self.selective, self.qkv(x)))
 
 
 class MLP(nn.Module):
@@ -117,6 +119,13 @@ class TokenLoss(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Cross-entropy on FP32 logits (Megatron's default, fp16_lm_cross_entropy=False).
         return vocab_parallel_cross_entropy(logits.float(), labels, self.group, self.vocab_start)
+
+
+def core_attention(core: nn.Module, selective: bool, *args: Any) -> torch.Tensor:
+    """The core attention; selective: run again in backward instead of keeping its activations (the
+    scores and probabilities, the largest of a layer's), as Megatron's selective recompute does it:
+    reentrant, the first forward under no_grad."""
+    return checkpoint(core, *args, use_reentrant=True) if selective else core(*args)
 
 
 def run_layers(layers: nn.ModuleList, h: torch.Tensor, recompute: str) -> torch.Tensor:

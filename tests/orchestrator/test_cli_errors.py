@@ -12,7 +12,7 @@ import pytest
     (["parallel=tp3"], "parallel/tp3"),
     (["model.hidden=66", "parallel=tp2"], "hidden"),
     (["parallel.world_size=3", "parallel=tp2"], "world"),
-    (["parallel.recompute=selective"], "parallel.recompute=selective must be one of none, full"),
+    (["parallel.recompute=sometimes"], "parallel.recompute=sometimes must be one of none, full, selective"),
 ])
 def test_bad_recipe_exits_2_with_a_message_and_no_report_of_pass(workdir, overrides, needle):
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *overrides, "tracking.enabled=false"],

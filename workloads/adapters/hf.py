@@ -31,7 +31,7 @@ from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
-from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED, Config, parse
+from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED, SELECTIVE_REFUSED, Config, parse
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 
@@ -110,6 +110,7 @@ def validate(spec: dict) -> None:
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
     need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
+    need(p.recompute != "selective", SELECTIVE_REFUSED)
 
 
 def main(session: Session | None = None) -> dict[str, Any]:

@@ -119,12 +119,14 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     m = spec["model"]
-    # parallel.recompute=full: megatron's full recomputation of every layer (`--recompute-granularity
-    # full --recompute-method uniform --recompute-num-layers 1`): its CheckpointFunction runs each
-    # layer under no_grad and again in backward, its RNG states saved and restored (megatron_shims).
-    full = (spec.get("parallel") or {}).get("recompute") == "full"
-    recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
-                 "recompute_num_layers": 1} if full else {}
+    # parallel.recompute: megatron's own recomputation, its CheckpointFunction running each layer (full:
+    # `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`) or each core
+    # attention (selective: `--recompute-activations`) under no_grad and again in backward, its RNG
+    # states saved and restored (megatron_shims).
+    recompute = {"full": {"recompute_granularity": "full", "recompute_method": "uniform",
+                          "recompute_num_layers": 1},
+                 "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+                 }.get((spec.get("parallel") or {}).get("recompute") or "none", {})
     return TransformerConfig(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         ffn_hidden_size=m["ffn_hidden"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
