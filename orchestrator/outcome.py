@@ -16,11 +16,26 @@ from orchestrator.refcache import ReferenceSet
 from orchestrator.report import tracking
 from tracer.logical import LogicalTrace
 from tracer.verdicts import Comparison
+from workloads import bugs
 
 EXIT = {"pass": 0, "fail": 1, "error": 2}
 # The R the tolerance constants were calibrated with; a FAIL judged on fewer perturbed runs may be a
 # false alarm (docs/tolerance.md, "Known gaps": a clean fp8 check fails at R = 2 and passes at 3).
 CALIBRATED_PERTURBATIONS = 3
+
+
+def verdict_warnings(rec: dict[str, Any], verdict: str) -> list[str]:
+    """What may make a verdict of this recipe wrong: a FAIL on fewer perturbed runs than calibrated (a
+    false alarm?), a catalog bug checked without the reference it needs (a PASS that cannot see it)."""
+    out = []
+    if verdict == "fail" and (r := int(rec["tolerance"]["perturbations"])) < CALIBRATED_PERTURBATIONS:
+        out.append(f"judged on {r} perturbed reference runs, fewer than the {CALIBRATED_PERTURBATIONS} the "
+                   f"tolerance is calibrated on: a clean run has failed that way (docs/tolerance.md, Known "
+                   f"gaps); to rule a false alarm out, run the check again with "
+                   f"tolerance.perturbations={CALIBRATED_PERTURBATIONS}")
+    if (left_out := bugs.reference_left_out(rec)) is not None:
+        out.append(left_out)
+    return out
 
 
 @dataclass
@@ -95,12 +110,8 @@ def finish(p: PlannedCheck, base_dir: str, parent_run_id: str | None,
     timings, report = p.report["timings"], p.report
     if p.comparison is not None:
         verdict, message = p.comparison.verdict, ""
-        if verdict == "fail" and (r := int(p.rec["tolerance"]["perturbations"])) < CALIBRATED_PERTURBATIONS:
-            report.setdefault("warnings", []).append(
-                f"judged on {r} perturbed reference runs, fewer than the {CALIBRATED_PERTURBATIONS} the "
-                f"tolerance is calibrated on: a clean run has failed that way (docs/tolerance.md, Known "
-                f"gaps); to rule a false alarm out, run the check again with "
-                f"tolerance.perturbations={CALIBRATED_PERTURBATIONS}")
+        if warnings := verdict_warnings(p.rec, verdict):
+            report.setdefault("warnings", []).extend(warnings)
     else:
         verdict, message = "error", str(p.error)
         report.update(verdict="error", error=message, first_divergence=None, tensors=[])

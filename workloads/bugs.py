@@ -6,6 +6,7 @@ code had the mistake; it changes numerics only (no crash, no hang).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -274,6 +275,29 @@ DEFAULT_FROM_STEP = 100   # recipe bug.from_step: the step a late bug that reads
 
 def bug_name(spec: Mapping[str, Any]) -> str:
     return str((spec.get("bug") or {}).get("name", NONE) or NONE)
+
+
+def reference_left_out(rec: Mapping[str, Any]) -> str | None:
+    """Why a check of a catalog bug cannot see it (a warning), or None: its recipe leaves out the
+    reference its catalog entry needs (`Bug.reference`), so the single-device reference runs the same
+    code as the candidate and shares the bug."""
+    bug = CATALOG.get(bug_name(rec))
+    if bug is None or all(_holds(rec, override) for override in bug.reference):
+        return None
+    return (f"bug={bug.name} is shared by a reference that runs the same code: its catalog check sets "
+            f"{' '.join(bug.reference)} (`ttrace bugs {bug.name}`), without which this check cannot see it")
+
+
+def _holds(rec: Mapping[str, Any], override: str) -> bool:
+    """Does the recipe hold `key=value` (a value `${a.b}` read from the recipe)?"""
+    def lookup(path: str) -> Any:
+        node: Any = rec
+        for part in path.split("."):
+            node = (node or {}).get(part) if isinstance(node, Mapping) else None
+        return node
+    key, _, value = override.partition("=")
+    ref = re.fullmatch(r"\$\{(.+)\}", value)
+    return str(lookup(key)) == str(lookup(ref.group(1)) if ref else value)
 
 
 def from_step(spec: Mapping[str, Any]) -> int:
