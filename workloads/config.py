@@ -14,10 +14,18 @@ SUPPORTED_PRECISIONS = ("fp32", "bf16", "fp8")   # see workloads/precision.py
 # parallel.recompute, activation recomputation in backward: of every transformer block (full), or of
 # the core attention only (selective: Megatron's default `--recompute-activations`)
 RECOMPUTE = ("none", "full", "selective")
-RECOMPUTE_REFUSED = "parallel.recompute={} must be one of " + ", ".join(RECOMPUTE)
-# torchtitan's and transformers' recomputation is per block only (torchtitan's selective AC is per op)
-SELECTIVE_REFUSED = ("parallel.recompute=selective (the core attention alone, Megatron's way) is offered by "
-                     "job=builtin and job=megatron_core; this job recomputes whole blocks: use full")
+
+
+def recompute_refused(mode: str, *, selective: bool) -> str | None:
+    """Why a job refuses parallel.recompute=`mode` (None: it takes it). `selective`: the job can rerun
+    the core attention alone (torchtitan's and transformers' recomputation is per block; torchtitan's
+    selective AC is per op)."""
+    if mode not in RECOMPUTE:
+        return f"parallel.recompute={mode} must be one of {', '.join(RECOMPUTE)}"
+    if mode == "selective" and not selective:
+        return ("parallel.recompute=selective (the core attention alone, Megatron's way) is offered by "
+                "job=builtin and job=megatron_core; this job recomputes whole blocks: use full")
+    return None
 
 
 @dataclass(frozen=True)
@@ -185,7 +193,7 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"unknown bug '{cfg.bug}' for the built-in trainer; known bugs: {', '.join(builtin)} (or 'none'); "
          "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
-    need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
+    need((why := recompute_refused(p.recompute, selective=True)) is None, str(why))
     need(cfg.bug_from_step >= 1, f"bug.from_step={cfg.bug_from_step} must be >= 1 (the stale state is the "
                                  "previous step's)")
     need(cfg.bug_from_step == bugs.DEFAULT_FROM_STEP or cfg.bug == bugs.NONE or bugs.reads_from_step(cfg.bug),

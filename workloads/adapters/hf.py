@@ -31,7 +31,7 @@ from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
-from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED, SELECTIVE_REFUSED, Config, parse
+from workloads.config import Config, parse, recompute_refused
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 
@@ -109,8 +109,7 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
-    need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
-    need(p.recompute != "selective", SELECTIVE_REFUSED)
+    need((why := recompute_refused(p.recompute, selective=False)) is None, str(why))
 
 
 def main(session: Session | None = None) -> dict[str, Any]:

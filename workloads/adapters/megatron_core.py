@@ -29,7 +29,7 @@ from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.adapters import megatron_shims
-from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED
+from workloads.config import recompute_refused
 
 NAME = "megatron_core"
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
@@ -71,7 +71,7 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(bug == bugs.NONE or bug in _bugs(),
          f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
     need(int(spec["steps"]) >= 1, f"steps={spec['steps']} must be >= 1")
-    need((p.get("recompute") or "none") in RECOMPUTE, RECOMPUTE_REFUSED.format(p.get("recompute")))
+    need((why := recompute_refused(p.get("recompute") or "none", selective=True)) is None, str(why))
 
 
 # -- bug injection: patch the real megatron-core function at fault -------------------------------

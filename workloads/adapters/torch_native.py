@@ -31,7 +31,7 @@ from torch import nn
 from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
-from workloads.config import RECOMPUTE, RECOMPUTE_REFUSED, SELECTIVE_REFUSED, Config, parse
+from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
@@ -286,8 +286,7 @@ def validate(spec: dict) -> None:
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a torch-native bug; known: {', '.join(ours)} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
-    need(p.recompute in RECOMPUTE, RECOMPUTE_REFUSED.format(p.recompute))
-    need(p.recompute != "selective", SELECTIVE_REFUSED)
+    need((why := recompute_refused(p.recompute, selective=False)) is None, str(why))
 
 
 def main(session: Session | None = None) -> dict[str, Any]:
