@@ -5,11 +5,20 @@ holds O(traced names) in memory, never O(steps): a block is written when it is f
 
 A rank's directory (tracer/store.py's conventions: checksummed files, the manifest committed last):
   fp-00000.safetensors  stats F64 [K, n, 3] (sumsq, absmax, sum), hash I64 [K, n] (the xxh3_64 bits),
-                        present U8 [K, n], steps I64 [K]: K steps, the n names known when it was written
+                        present U8 [K, n], steps I64 [K]: K steps, the n names known when it was written;
+                        and `values/<k>/<i>`: the local tensor of column i at the block's k-th step,
+                        for the names logged in full (below)
   manifest.json         format, mode "scan", coords, sizes, meta, files (bytes, checksum, steps) and
                         `names`: one entry per traced name WITHOUT its step ("-/layers.0.ln1.weight/
                         param_grad", "0/loss/loss"), with module, module_type, kind, microbatch, layout,
-                        shape, dtype, scale: column i of every block is names[i]
+                        shape, dtype, scale (and `values: true` if logged in full): column i of every
+                        block is names[i]
+Partial sums (a `Partial` layout: a DTensor replica's unreduced grad, torch-native's replicated KV
+weights) are logged in full, as stats mode records them (tracer/stats.py PARTIAL_IN_FULL): the
+statistics of a sum are not a function of its summands', so the reader reassembles the sum and takes
+its statistics then. Their stats row is NaN (a reader that knew no values sees non-finite
+statistics, never zeros). A block then also holds block_steps copies of those tensors.
+
 `entries` is empty (read_run and the reference cache see a committed run; tracer/logical.py refuses
 to reassemble it). Reading: tracer/fingerprint_read.py. No pickle.
 """
@@ -17,18 +26,24 @@ to reassemble it). Reading: tracer/fingerprint_read.py. No pickle.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
 
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
-from tracer.stats import load_kernel, local_stats
+from tracer.stats import PARTIAL_IN_FULL, load_kernel, local_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 SCAN_MODE = "scan"
 BLOCK_STEPS = 50       # steps per block file: ~4 KB per step per rank for a 100-name model
 BLOCK = "fp-{:05d}.safetensors"
+
+
+def values_key(k: int, column: int) -> str:
+    """The block's key of a name logged in full (column) at its k-th step (module doc)."""
+    return f"values/{k}/{column}"
 
 
 def hash_bits(hexdigest: str) -> int:
@@ -56,7 +71,8 @@ class FingerprintLog:
         self._column: dict[str, int] = {}
         self._step: int | None = None
         self._pending: list[tuple[int, torch.Tensor]] = []   # this step's (column, CPU copy)
-        self._rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []   # this block's
+        # this block's (step, stats, hashes, present, {column: values} of the names logged in full)
+        self._rows: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]] = []
         self.files: list[dict[str, Any]] = []
         load_kernel()   # before the first step's statistics
 
@@ -78,12 +94,15 @@ class FingerprintLog:
             self.names.append({"name": key, "module": module, "module_type": module_type, "kind": kind,
                                "microbatch": microbatch, "layout": layout, "shape": shape, "dtype": dtype,
                                "scale": scale})
+            if PARTIAL_IN_FULL and layout.get("partial"):
+                self.names[col]["values"] = True
         else:
             was = self.names[col]
-            if (was["shape"], was["dtype"], was["scale"]) != (shape, dtype, scale):
-                raise TraceError(f"{name}: traced as {was['dtype']} {was['shape']} (scale {was['scale']}) "
-                                 f"before and {dtype} {shape} (scale {scale}) now; a scan needs one shape, "
-                                 "dtype and scale per tensor across steps")
+            if (was["shape"], was["dtype"], was["scale"], was["layout"]) != (shape, dtype, scale, layout):
+                raise TraceError(f"{name}: traced as {was['dtype']} {was['shape']} (scale {was['scale']}, "
+                                 f"layout {was['layout']}) before and {dtype} {shape} (scale {scale}, layout "
+                                 f"{layout}) now; a scan needs one shape, dtype, scale and layout per tensor "
+                                 "across steps")
         self._pending.append((col, tensor.detach().to("cpu", copy=True)))
 
     def flush(self) -> None:
@@ -105,18 +124,23 @@ class FingerprintLog:
         if not self._pending:
             self._step = None
             return
-        cols = [c for c, _ in self._pending]
-        found = local_stats([t for _, t in self._pending])
         n = len(self.names)
         stats = torch.zeros(n, 3, dtype=torch.float64)
         hashes = torch.zeros(n, dtype=torch.int64)
         present = torch.zeros(n, dtype=torch.uint8)
-        index = torch.tensor(cols, dtype=torch.long)
-        stats[index] = torch.tensor([[s["sumsq"], s["absmax"], s["sum"]] for s in found], dtype=torch.float64)
-        hashes[index] = torch.tensor([hash_bits(s["hash"]) for s in found], dtype=torch.int64)
-        present[index] = 1
+        values = {c: t for c, t in self._pending if self.names[c].get("values")}
+        summed = [(c, t) for c, t in self._pending if c not in values]
+        if summed:
+            found = local_stats([t for _, t in summed])
+            index = torch.tensor([c for c, _ in summed], dtype=torch.long)
+            stats[index] = torch.tensor([[s["sumsq"], s["absmax"], s["sum"]] for s in found],
+                                        dtype=torch.float64)
+            hashes[index] = torch.tensor([hash_bits(s["hash"]) for s in found], dtype=torch.int64)
+        if values:
+            stats[torch.tensor(list(values), dtype=torch.long)] = math.nan   # module doc
+        present[torch.tensor([c for c, _ in self._pending], dtype=torch.long)] = 1
         assert self._step is not None
-        self._rows.append((self._step, stats, hashes, present))
+        self._rows.append((self._step, stats, hashes, present, values))
         self._pending.clear()
         self._step = None
         if len(self._rows) >= self.block_steps:
@@ -132,7 +156,9 @@ class FingerprintLog:
         data = save({"stats": torch.stack([pad(r[1]) for r in self._rows]),
                      "hash": torch.stack([pad(r[2]) for r in self._rows]),
                      "present": torch.stack([pad(r[3]) for r in self._rows]),
-                     "steps": torch.tensor([r[0] for r in self._rows], dtype=torch.int64)})
+                     "steps": torch.tensor([r[0] for r in self._rows], dtype=torch.int64),
+                     **{values_key(k, c): t.contiguous() for k, r in enumerate(self._rows)
+                        for c, t in r[4].items()}})
         name = BLOCK.format(len(self.files))
         h = hasher(WRITTEN)
         h.update(data)

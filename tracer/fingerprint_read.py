@@ -13,27 +13,36 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
-from tracer.fingerprint_log import SCAN_MODE, hash_hex
+from tracer.fingerprint_log import SCAN_MODE, hash_hex, values_key
 from tracer.heap import gc_paused
-from tracer.logical import LogicalTrace
+from tracer.layouts import Assembled, Layout, Piece, assemble
+from tracer.logical import LogicalTrace, scaled
 from tracer.store import RankTrace, read_run
 
 Pieces = list[tuple[RankTrace, dict[str, Any]]]
+_BLOCK_KEYS = {"stats", "hash", "present", "steps"}
 
 
 class StepStats(Mapping[str, Any]):
     """One step's recorded statistics by canonical name: `pieces(name)` as tracer.logical's
-    StoredTensors gives them for a stats-mode run; no values to assemble."""
+    StoredTensors gives them for a stats-mode run. Values are assembled only for the names logged in
+    full (partial sums, tracer/fingerprint_log.py), whose pieces hold them instead of statistics."""
 
-    def __init__(self, run: str, pieces: dict[str, Pieces]):
-        self.run, self._pieces = run, pieces
+    def __init__(self, run: str, pieces: dict[str, Pieces], info: dict[str, dict[str, Any]],
+                 sizes: dict[str, int]):
+        self.run, self._pieces, self._info, self._sizes = run, pieces, info, sizes
 
     def pieces(self, name: str) -> Pieces:
         return self._pieces[name]
 
-    def __getitem__(self, name: str) -> Any:
-        raise TraceError(f"{name}: run '{self.run}' is a scan's fingerprint log (trace.mode=scan): only "
-                         "statistics are stored, no values")
+    def __getitem__(self, name: str) -> Assembled:
+        got = self._pieces[name]
+        if not all("values" in e for _, e in got):
+            raise TraceError(f"{name}: run '{self.run}' is a scan's fingerprint log (trace.mode=scan): only "
+                             "statistics are stored, no values")
+        pieces = [Piece(rt.manifest["coords"], scaled(e["values"], float(e.get("scale", 1.0))), rt.rank)
+                  for rt, e in got]
+        return assemble(name, Layout.from_json(self._info[name]["layout"]), pieces, self._sizes)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._pieces)
@@ -90,15 +99,24 @@ class FingerprintRun:
     def _block(self, rt: RankTrace, b: int) -> dict[str, torch.Tensor]:
         info = rt.manifest["files"][b]
         blk = rt.load_part(info)   # checksum-verified: truncation or corruption is a TraceError naming it
-        n = len(rt.manifest["names"])
+        names = rt.manifest["names"]
+        n = len(names)
         where = f"run '{self.run}' rank {rt.rank} block {info['file']}"
-        if set(blk) != {"stats", "hash", "present", "steps"}:
+        if not _BLOCK_KEYS <= set(blk):
             raise TraceError(f"{where} holds {sorted(blk)}, not a fingerprint block; rerun the job")
         k = blk["steps"].shape[0]
         if (blk["stats"].shape[0] != k or blk["stats"].shape[1] > n or blk["stats"].shape[2:] != (3,)
                 or blk["hash"].shape != blk["stats"].shape[:2] or blk["present"].shape != blk["hash"].shape):
             raise TraceError(f"{where}: shapes {[list(blk[x].shape) for x in ('stats', 'hash', 'present')]} "
                              f"do not fit {k} steps of at most {n} names; the log is corrupt, rerun the job")
+        for key in set(blk) - _BLOCK_KEYS:   # values of the names logged in full (fingerprint_log.py)
+            _, step, col = (key.split("/") + ["", ""])[:3]
+            e = names[int(col)] if key.startswith("values/") and col.isdigit() and int(col) < n else None
+            if (e is None or not e.get("values") or not step.isdigit() or int(step) >= k
+                    or list(blk[key].shape) != e["shape"] or str(blk[key].dtype) != f"torch.{e['dtype']}"):
+                raise TraceError(f"{where} holds '{key}' {str(blk[key].dtype).removeprefix('torch.')} "
+                                 f"{list(blk[key].shape)}, which no name logged in full has; the log is "
+                                 "corrupt, rerun the job")
         return blk
 
     def _view(self, step: int, k: int, loaded: list[dict[str, torch.Tensor]]) -> LogicalTrace:
@@ -112,14 +130,23 @@ class FingerprintRun:
                     continue
                 e = names[col]
                 name = f"{step}/{e['name']}"
-                sumsq, absmax, total = stats[col]
-                rec = {"sumsq": sumsq, "absmax": absmax, "sum": total, "numel": math.prod(e["shape"]),
-                       "hash": hash_hex(hashes[col])}
-                pieces.setdefault(name, []).append((rt, {"stats": rec, "scale": e.get("scale", 1.0)}))
+                if e.get("values"):   # a partial sum, logged in full
+                    values = blk.get(values_key(k, col))
+                    if values is None:
+                        raise TraceError(f"run '{self.run}' rank {rt.rank}: step {step} of '{e['name']}' "
+                                         "is logged in full but its values are missing; the log is corrupt, "
+                                         "rerun the job")
+                    rec: dict[str, Any] = {"values": values, "scale": e.get("scale", 1.0)}
+                else:
+                    sumsq, absmax, total = stats[col]
+                    rec = {"stats": {"sumsq": sumsq, "absmax": absmax, "sum": total,
+                                     "numel": math.prod(e["shape"]), "hash": hash_hex(hashes[col])},
+                           "scale": e.get("scale", 1.0)}
+                pieces.setdefault(name, []).append((rt, rec))
                 if name not in info:
                     info[name] = dict(e, name=name, key=name, step=step, rank=rt.rank)
         return LogicalTrace(self.run, len(self.ranks), self.meta, list(info), info,
-                            StepStats(self.run, pieces), dict(self.sizes), "stats")
+                            StepStats(self.run, pieces, info, self.sizes), dict(self.sizes), "stats")
 
 
 def step_of(view: LogicalTrace) -> int | None:

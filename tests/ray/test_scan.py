@@ -3,6 +3,8 @@ scan names the first step out of the band, reruns it in full and names the culpr
 first-step logic and the fingerprint log: tests/tracer/test_scan_log.py."""
 
 import fnmatch
+import json
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +67,25 @@ def test_a_bug_scan_names_its_first_step_and_the_rerun_names_its_culprit(ray_clu
     assert rerun["verdict"] == "fail" and at in rerun["steps"], rerun
     culprit = res.report["culprit"]
     assert fnmatch.fnmatch(culprit["module"], module) and culprit["step"] == at, culprit
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_a_users_dtensor_sequence_parallel_script_is_scanned_with_its_partial_norm_grads(ray_cluster,
+                                                                                          workdir):
+    """A scan of a user's own DTensor TP+SP script (a command job): its norm weights' grads are
+    `Partial` over tp (DTensor reduces them later), which no statistics combine; the fingerprint log
+    holds them in full and the scan judges their sum. The fingerprints alone (the full check of the
+    first steps is any check's)."""
+    res = scan(workdir, "dtensor", f"job.command=python {EXAMPLES}/dtensor_tp_sp/train.py", "parallel=tp2_sp",
+               "steps=3", "scan.full_steps=0", "tracking.enabled=false", base=("tolerance.perturbations=2",))
+    assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
+    s = res.report["scan"]
+    assert [x["step"] for x in s["steps"]] == [-1, 0, 1, 2] and all(x["ok"] for x in s["steps"])
+    manifest = workdir / "ttrace_runs" / res.report["check_id"] / "candidate" / "rank00001" / "manifest.json"
+    in_full = [e["name"] for e in json.loads(manifest.read_text())["names"] if e.get("values")]
+    assert "-/norm.weight/param_grad" in in_full and len(in_full) == 5, in_full
 
 
 def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cluster, workdir):

@@ -3,12 +3,14 @@ band logic (tracer/scan_judge.py), in one process: the log round-trips the stati
 tracer/stats.py, its writer's memory does not grow with the steps, a corrupt block is an error naming
 it, and the first step a candidate leaves the perturbed runs' band is the step it started to differ."""
 
+import json
 import math
 
 import pytest
 import torch
+import xxhash
 
-from tracer import Replicate, Shard
+from tracer import Partial, Replicate, Shard
 from tracer.collector import Tracer
 from tracer.errors import TraceError
 from tracer.fingerprint_log import FingerprintLog
@@ -16,7 +18,7 @@ from tracer.fingerprint_read import FingerprintRun, step_of
 from tracer.logical import load_logical
 from tracer.scan_judge import judge_steps, pair_noise
 from tracer.stats import local_stats
-from tracer.stats_compare import Band, band
+from tracer.stats_compare import Band, band, logical_stats
 from tracer.tolerance import TolerancePolicy
 
 NAMES = ("w", "b")
@@ -226,3 +228,63 @@ def test_the_scan_scales_errors_by_the_larger_run():
     assert sym.errors(st(1000.0), r, "g")[0] == pytest.approx(0.999)
     assert sym.errors(r, st(1000.0), "g")[0] == pytest.approx(0.999)          # symmetric in the two runs
     assert sym.errors(st(1 + E), r, "g")[0] == pytest.approx(plain.errors(st(1 + E), r, "g")[0], rel=2 * E)
+
+
+def write_partial(root, run, steps, *, tp=2, eps=0.0, seed=0, scale_rank1_from=None):
+    """A run whose `layer.w` param_grad is a partial sum over tp (each rank holds a part that adds up to
+    the logical grad, as a DTensor replica's unreduced grad does); world size 1: the logical grad."""
+    for rank in range(tp):
+        tr = Tracer(str(root), run, rank, {"tp": rank}, {"tp": tp}, {}, mode="scan")
+        tr._writer.block_steps = 2
+        for step in range(steps):
+            with tr.step(step):
+                full = logical(step, seed, eps)
+                g = full["w"]
+                part = g if tp == 1 else g * (0.25 if rank == 0 else 0.75)
+                if scale_rank1_from is not None and step >= scale_rank1_from and rank == 1:
+                    part = part * 1.01
+                tr.record("layer.w", "param_grad", part, Partial("tp") if tp > 1 else Replicate())
+                tr.record("layer.b", "param", full["b"], Replicate())
+        tr.close()
+
+
+@pytest.mark.parametrize("bug_from", [None, 1])
+def test_a_partial_sum_is_logged_in_full_and_judged_by_the_statistics_of_its_sum(tmp_path, bug_from):
+    """Partial sums cannot be combined from their parts' statistics (stats mode records them in full):
+    a scan logs them in full too, and judges the statistics of the reassembled sum."""
+    write_partial(tmp_path, "reference", 4, tp=1)
+    write_partial(tmp_path, "perturbed-1", 4, tp=1, eps=1e-6, seed=1)
+    write_partial(tmp_path, "perturbed-2", 4, tp=1, eps=1e-6, seed=2)
+    write_partial(tmp_path, "candidate", 4, eps=3e-7, seed=3, scale_rank1_from=bug_from)
+    run = FingerprintRun(str(tmp_path), "candidate", 2)
+    names = {e["name"]: e for e in run.ranks[0].manifest["names"]}
+    assert names["-/layer.w/param_grad"].get("values") and "values" not in names["-/layer.b/param"]
+    view = list(run.steps())[2]
+    g = logical(2, 3, 3e-7)["w"]
+    sum_stats = local_stats([g * 0.25 + g * 0.75 * (1 if bug_from is None else 1.01)])[0]
+    got = logical_stats(view, "2/-/layer.w/param_grad")   # of the sum, not the parts'
+    assert got.sumsq == pytest.approx(sum_stats["sumsq"], rel=1e-6) and got.numel == 48
+    out = judge_steps(FingerprintRun(str(tmp_path), "reference", 1).steps(), run.steps(),
+                      [FingerprintRun(str(tmp_path), p, 1).steps() for p in ("perturbed-1", "perturbed-2")],
+                      TolerancePolicy(), start=0)
+    if bug_from is None:
+        assert out.verdict == "pass" and all(s.ok for s in out.steps), [s.worst for s in out.steps]
+    else:
+        assert out.first_step == 1 and out.first.first_divergence.name == "1/-/layer.w/param_grad"
+
+
+def test_a_block_missing_a_partial_sums_values_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    write_partial(tmp_path, "candidate", 2)
+    block = tmp_path / "candidate" / "rank00001" / "fp-00000.safetensors"
+    data = load_file(block)
+    del data[next(k for k in data if k.startswith("values/"))]
+    save_file(data, block)
+    rank = tmp_path / "candidate" / "rank00001" / "manifest.json"
+    manifest = json.loads(rank.read_text())
+    digest = xxhash.xxh3_64(block.read_bytes()).hexdigest()   # checksummed anew: the log is whole, not right
+    manifest["files"][0].update(bytes=block.stat().st_size, xxh3_64=digest)
+    rank.write_text(json.dumps(manifest))
+    with pytest.raises(TraceError, match="logged in full but its values are missing"):
+        list(FingerprintRun(str(tmp_path), "candidate", 2).steps())
