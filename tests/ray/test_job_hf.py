@@ -5,6 +5,7 @@ Param layouts come from its DTensor placements, output layouts from its TP style
 as a user switches it; a K/V plan that leaves input grads unreduced exits 1 (without it)."""
 
 import pytest
+from recomputation import assert_recomputed_and_traced_as_without
 
 pytest.importorskip("transformers")
 
@@ -57,10 +58,7 @@ def test_clean_hf_tp_passes(results):
     assert len(res.report["tensors"]) > 500
     # activation_checkpointing_enable(): every decoder layer recomputed (non-reentrant, transformers'
     # default), the tensors traced those of a check without it (the bug's: its report lists them all)
-    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
-    assert names(res) == names(results["hf_gqa_kv_replicated_plan"])
-    logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
-    assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
+    assert_recomputed_and_traced_as_without(res, results["hf_gqa_kv_replicated_plan"])
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 
+from recomputation import assert_recomputed_and_traced_as_without  # noqa: E402
+
 from orchestrator.check import run_checks  # noqa: E402
 from orchestrator.rank_tasks import free_port  # noqa: E402
 from orchestrator.recipe import compose  # noqa: E402
@@ -163,10 +165,7 @@ def test_clean_megatron_tp2_sp_passes(results):
     assert len(res.report["tensors"]) > 500
     # Recomputed forwards trace nothing new: the tensors of the bug's check, which runs without it (its
     # report lists every tensor); each rank's log says it recomputed.
-    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
-    assert names(res) == names(results[BUGGY[0]])
-    logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
-    assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
+    assert_recomputed_and_traced_as_without(res, results[BUGGY[0]])
 
 
 @pytest.mark.parametrize("bug", BUGGY)

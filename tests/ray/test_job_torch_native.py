@@ -5,6 +5,7 @@ placement plan exits 1 at the K/V projection it breaks."""
 
 import pytest
 import torch
+from recomputation import assert_recomputed_and_traced_as_without
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -89,10 +90,7 @@ def test_clean_torch_native_passes(results, parallel):
     assert len(res.report["tensors"]) > 500
     # The wrapper's attribute is in no name: the tensors a check without recomputation traces (the
     # bug's: its report lists every tensor); each rank's log says it recomputed.
-    names = lambda res: sorted(t["name"] for t in res.report["tensors"])
-    assert names(res) == names(results["tn_gqa_kv_gathered_output"])
-    logs = [(res.report_path.parent / p).read_text() for p in res.report["logs"]["candidate"]]
-    assert len(logs) == 2 and all("activation recomputation: " in log for log in logs)
+    assert_recomputed_and_traced_as_without(res, results["tn_gqa_kv_gathered_output"])
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))
