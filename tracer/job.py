@@ -251,7 +251,7 @@ class Session(JobInputs):
             return self._factory(self.coords, self.sizes, m, dtensor)
         cfg = self.config
         trace = cfg.spec.get("trace") or {}
-        mode = str(trace.get("mode") or "full")   # full | stats (tracer/stats.py) | scan (fingerprint_log.py)
+        mode = cfg.mode
         kinds = trace.get("kinds")                # None: every kind
         if dtensor:
             from tracer.integrations.dtensor import DTensorTracer

@@ -8,6 +8,8 @@ Environment (ttrace's launcher sets all of them; by hand, with plain torchrun, s
   TTRACE_REFERENCE  URL of the reference run, <store>/reference (role isolated; routing replay)
   TTRACE_RUN        run name in the store (default: the role; perturbed-<r> for perturbed runs)
   TTRACE_SEED       seed of the consistent generator (`init_weights`)
+  TTRACE_MODE       full (default) | stats: what the tracer stores per tensor (docs/stats_mode.md);
+                    a scan's per-step log is `ttrace scan`'s own
   TTRACE_SPEC       JSON: the whole job spec from the recipe (parallel sizes, steps, seed, data,
                     model, ...); ttrace's own jobs read their model from it
 """
@@ -29,6 +31,8 @@ ENV_PERTURB = "TTRACE_PERTURB"
 ENV_REFERENCE = "TTRACE_REFERENCE"
 ENV_RUN = "TTRACE_RUN"
 ENV_SEED = "TTRACE_SEED"
+ENV_MODE = "TTRACE_MODE"
+MODES_BY_HAND = ("full", "stats")   # TTRACE_MODE's values; "scan": set by `ttrace scan` in the spec
 ROLES = ("reference", "perturbed", "candidate", "isolated")
 UNTRACED = "untraced"
 DEFAULT_SEED = 1234
@@ -87,6 +91,7 @@ class JobConfig:
     local_rank: int = 0
     fingerprint: str | None = None
     spec: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "full"   # full | stats (tracer/stats.py) | scan (tracer/fingerprint_log.py)
 
     @property
     def routing_replay(self) -> bool:
@@ -132,6 +137,10 @@ class JobConfig:
         perturb = env.get(ENV_PERTURB) or trace.get("perturb")
         perturb = None if perturb in (None, "") else int(perturb)
         reference = env.get(ENV_REFERENCE) or trace.get("reference")
+        mode = env.get(ENV_MODE) or trace.get("mode") or "full"
+        if env.get(ENV_MODE) and mode not in MODES_BY_HAND and mode != trace.get("mode"):
+            raise ConfigError(f"{ENV_MODE}={mode!r}: use {' or '.join(MODES_BY_HAND)} (a scan's per-step log "
+                              "is made by `ttrace scan`)")
         if role != UNTRACED and not store:
             raise ConfigError(f"{ENV_ROLE}={role} needs {ENV_STORE}, the URL the trace is written to")
         if role == "perturbed" and (perturb is None or perturb < 1):
@@ -161,12 +170,12 @@ class JobConfig:
                    store=store, perturb=perturb, reference=reference, seed=int(seed),
                    steps=None if steps is None else int(steps), parallel=parallel, rank=rank,
                    world_size=world, local_rank=_int(env, "LOCAL_RANK", rank),
-                   fingerprint=trace.get("fingerprint"), spec=spec)
+                   fingerprint=trace.get("fingerprint"), spec=spec, mode=str(mode))
 
     def env(self) -> dict[str, str]:
         """The TTRACE_* variables that give a rank this config (ttrace's launcher)."""
         out = {ENV_SPEC: json.dumps(self.spec, default=str), ENV_ROLE: self.role, ENV_RUN: self.run,
-               ENV_SEED: str(self.seed)}
+               ENV_SEED: str(self.seed), ENV_MODE: self.mode}   # the mode set: never a shell's TTRACE_MODE
         if self.store:
             out[ENV_STORE] = self.store
         if self.perturb is not None:

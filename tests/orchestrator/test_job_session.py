@@ -61,10 +61,36 @@ def test_the_recipe_reaches_the_job_and_wins_over_the_scripts_defaults():
     ({"TTRACE_ROLE": "baseline", "TTRACE_STORE": "/x"}, "not a role"),
     ({"TTRACE_ROLE": "isolated", "TTRACE_STORE": "/x"}, "TTRACE_REFERENCE"),
     ({"TTRACE_ROLE": "candidate", "TTRACE_STORE": "/x", "TTRACE_PERTURB": "1"}, "only perturbed"),
+    ({"TTRACE_ROLE": "candidate", "TTRACE_STORE": "/x", "TTRACE_MODE": "scan"}, "made by `ttrace scan`"),
+    ({"TTRACE_ROLE": "candidate", "TTRACE_STORE": "/x", "TTRACE_MODE": "stat"}, "use full or stats"),
 ])
 def test_a_wrong_environment_is_refused_with_what_to_set(env, needle):
     with pytest.raises(ConfigError, match=needle):
         JobConfig.from_env(env)
+
+
+def test_a_manual_launch_takes_its_trace_mode_from_ttrace_mode(tmp_path):
+    """TTRACE_MODE=stats on a run made by hand (plain torchrun) stores statistics, as trace.mode=stats
+    does under ttrace; ttrace's launcher sets it from the recipe, so a shell's never overrides one."""
+    import json
+
+    base = {"TTRACE_STORE": str(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "TTRACE_ROLE": "reference"}
+    assert JobConfig.from_env(base).mode == "full"
+    tr = Session(JobConfig.from_env({**base, "TTRACE_MODE": "stats"}))
+    m = tr.attach(model())
+    with tr.step(0):
+        m(torch.randn(2, 4)).sum().backward()
+        tr.record_param_grads(m)
+    tr.close()
+    manifest = json.loads((tmp_path / "reference" / "rank00000" / "manifest.json").read_text())
+    assert manifest["mode"] == "stats" and manifest["files"] == []
+    from orchestrator.jobs import rank_env
+    from orchestrator.recipe import compose, job_spec
+
+    launched = lambda *over: rank_env(job_spec(compose(["parallel=single", *over]), role="candidate",
+                                               store_url=str(tmp_path)), 0, 1, "127.0.0.1", 1, 0, 1)
+    assert launched()["TTRACE_MODE"] == "full"   # set, over whatever the worker's environment holds
+    assert JobConfig.from_env({"RANK": "0", "WORLD_SIZE": "1", **launched("trace.mode=scan")}).mode == "scan"
 
 
 def test_a_manual_launch_names_its_runs_by_role():
