@@ -245,9 +245,12 @@ def test_an_abort_after_a_complete_trace_is_a_warning_and_before_it_an_error(fau
 
 # -- runs made elsewhere: plain torchrun, no Ray ---------------------------------------------------
 def _torchrun(cwd: Path, nproc: int, env: dict[str, str], *flags: str) -> subprocess.Popen:
+    # TMPDIR in the user's (pytest's) directory: torchrun leaves a torchelastic_* directory behind in it
+    # at every launch, which in /tmp pile up (152 on one machine).
+    (cwd / "tmp").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc-per-node={nproc}", "examples/ddp_by_hand/train.py", *flags],
-                            cwd=cwd, env={**os.environ, **env}, text=True,
+                            cwd=cwd, env={**os.environ, "TMPDIR": str(cwd / "tmp"), **env}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
