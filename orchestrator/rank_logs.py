@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -60,7 +61,9 @@ class RankLog:
 
 @contextlib.contextmanager
 def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Iterator[RankLog]:
-    """The rank's log file; `here` is this process's Ray node (asked of Ray when not given)."""
+    """The rank's log file; `here` is this process's Ray node (asked of Ray when not given). A log
+    that cannot go to the check directory (no directory set, or another node) is a temporary file,
+    removed on exit: its text has travelled back in the rank's result by then (`RankLog.where`)."""
     path = local_path(spec, rank, here or node_id())
     if path is not None:
         rl = RankLog(path, local=True)
@@ -70,6 +73,8 @@ def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Ite
         yield rl
     finally:
         rl.file.close()
+        if not rl.local:   # until 2026-11-29 never removed: 391 of them in one machine's /tmp
+            shutil.rmtree(rl.path.parent, ignore_errors=True)
 
 
 def local_path(spec: Mapping[str, Any], rank: int, here: str | None) -> Path | None:
