@@ -14,7 +14,7 @@ A rank's directory (tracer/store.py's conventions: checksummed files, the manife
                         shape, dtype, scale (and `values: true` if logged in full): column i of every
                         block is names[i]
 Partial sums (a `Partial` layout: a DTensor replica's unreduced grad, torch-native's replicated KV
-weights) are logged in full, as stats mode records them (tracer/stats.py PARTIAL_IN_FULL): the
+weights) are logged in full, as stats mode records them (tracer/stats.py kept_in_full): the
 statistics of a sum are not a function of its summands', so the reader reassembles the sum and takes
 its statistics then. Their stats row is NaN (a reader that knew no values sees non-finite
 statistics, never zeros). A block then also holds block_steps copies of those tensors.
@@ -33,7 +33,7 @@ import torch
 
 from tracer.checksum import WRITTEN, hasher
 from tracer.errors import TraceError
-from tracer.stats import PARTIAL_IN_FULL, load_kernel, local_stats
+from tracer.stats import kept_in_full, load_kernel, local_stats
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 SCAN_MODE = "scan"
@@ -94,7 +94,7 @@ class FingerprintLog:
             self.names.append({"name": key, "module": module, "module_type": module_type, "kind": kind,
                                "microbatch": microbatch, "layout": layout, "shape": shape, "dtype": dtype,
                                "scale": scale})
-            if PARTIAL_IN_FULL and layout.get("partial"):
+            if kept_in_full(layout):
                 self.names[col]["values"] = True
         else:
             was = self.names[col]

@@ -34,6 +34,12 @@ MODES = ("full", "stats")
 PARTIAL_IN_FULL = True   # stats mode records partial-sum layouts in full (module doc)
 
 
+def kept_in_full(layout: Mapping[str, Any]) -> bool:
+    """Whether stats mode and a scan's log keep this tensor's values (its layout as a manifest records
+    it): a partial sum's (module doc)."""
+    return PARTIAL_IN_FULL and bool(layout.get("partial"))
+
+
 @dataclass
 class Stat:
     """A logical tensor's statistics, and how its replicas agreed."""

@@ -36,7 +36,7 @@ from tracer.checksum import WRITTEN, hasher
 from tracer.direct_io import header_block, write_direct
 from tracer.errors import TraceError
 from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
-from tracer.stats import MODES, PARTIAL_IN_FULL, entry, load_kernel, slab_figures
+from tracer.stats import MODES, entry, kept_in_full, load_kernel, slab_figures
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 # A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
@@ -96,7 +96,7 @@ class TraceWriter:
         afterwards). On the training thread's path for every traced tensor: kept lean."""
         if self._error is not None:
             self._raise_if_failed()
-        keep = self._full or bool(PARTIAL_IN_FULL and fields[7].get("partial"))
+        keep = self._full or kept_in_full(fields[7])
         rows = self._rows
         row = len(rows)
         part = self._part

@@ -69,24 +69,14 @@ def test_a_wrong_environment_is_refused_with_what_to_set(env, needle):
         JobConfig.from_env(env)
 
 
-def test_a_manual_launch_takes_its_trace_mode_from_ttrace_mode(tmp_path):
-    """TTRACE_MODE=stats on a run made by hand (plain torchrun) stores statistics, as trace.mode=stats
-    does under ttrace; ttrace's launcher sets it from the recipe, so a shell's never overrides one."""
-    import json
-
-    base = {"TTRACE_STORE": str(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "TTRACE_ROLE": "reference"}
-    assert JobConfig.from_env(base).mode == "full"
-    tr = Session(JobConfig.from_env({**base, "TTRACE_MODE": "stats"}))
-    m = tr.attach(model())
-    with tr.step(0):
-        m(torch.randn(2, 4)).sum().backward()
-        tr.record_param_grads(m)
-    tr.close()
-    manifest = json.loads((tmp_path / "reference" / "rank00000" / "manifest.json").read_text())
-    assert manifest["mode"] == "stats" and manifest["files"] == []
+def test_ttrace_launches_its_ranks_with_the_recipes_trace_mode(tmp_path):
+    """A run made by hand traces in full unless TTRACE_MODE says otherwise; ttrace's launcher sets
+    TTRACE_MODE from the recipe, so a shell's never overrides one (stats by hand: the test below)."""
     from orchestrator.jobs import rank_env
     from orchestrator.recipe import compose, job_spec
 
+    base = {"TTRACE_STORE": str(tmp_path), "RANK": "0", "WORLD_SIZE": "1", "TTRACE_ROLE": "reference"}
+    assert JobConfig.from_env(base).mode == "full"
     launched = lambda *over: rank_env(job_spec(compose(["parallel=single", *over]), role="candidate",
                                                store_url=str(tmp_path)), 0, 1, "127.0.0.1", 1, 0, 1)
     assert launched()["TTRACE_MODE"] == "full"   # set, over whatever the worker's environment holds
@@ -163,15 +153,22 @@ def test_a_session_never_attached_commits_an_empty_trace_that_says_so(tmp_path):
     assert manifest["entries"] == [] and manifest["meta"]["attached"] is False
 
 
-def test_trace_mode_stats_reaches_any_jobs_tracer_through_the_session(tmp_path):
-    """The mode lives in the tracer: a user's job gets it from its spec, with no code of its own."""
+@pytest.mark.parametrize("given_by", ["recipe", "TTRACE_MODE"])
+def test_trace_mode_stats_reaches_any_jobs_tracer_through_the_session(tmp_path, given_by):
+    """The mode lives in the tracer: a user's job gets it from its spec (under ttrace) or from
+    TTRACE_MODE=stats (a run made by hand, plain torchrun), with no code of its own."""
     import json
 
     from orchestrator.recipe import compose, job_spec
 
-    spec = job_spec(compose(["trace.mode=stats", "parallel=single"]), role="candidate",
-                    store_url=str(tmp_path))
-    tr = Session(JobConfig.from_env({"TTRACE_SPEC": json.dumps(spec), "RANK": "0", "WORLD_SIZE": "1"}))
+    env = {"RANK": "0", "WORLD_SIZE": "1"}
+    if given_by == "recipe":
+        spec = job_spec(compose(["trace.mode=stats", "parallel=single"]), role="candidate",
+                        store_url=str(tmp_path))
+        env["TTRACE_SPEC"] = json.dumps(spec)
+    else:
+        env.update(TTRACE_ROLE="candidate", TTRACE_STORE=str(tmp_path), TTRACE_MODE="stats")
+    tr = Session(JobConfig.from_env(env))
     m = tr.attach(model())
     with tr.step(0):
         with tr.microbatch(0):
