@@ -17,11 +17,23 @@ Weights: every parameter is generated as its full logical tensor by global name 
 the consistent generator) before parallelization; torch's `distribute_tensor` then keeps each rank's
 shard, so reference and candidate start bit-identical. The session perturbs them (perturbed role)
 and reads every layout from DTensor placements when it attaches, after parallelization.
+
+Precision (`precision=fp32|bf16`): bf16 is torchtitan's mixed precision, FSDP2's
+`MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`: FP32 parameters, Adam and
+gradients, each parameter cast to BF16 where it is used, BF16 activations, gradients reduced in FP32.
+Under FSDP2 (dp > 1) the policy is FSDP2's own; without it (torchtitan then falls back on autocast)
+the modules cast their parameters themselves, the same casts. GEMMs run as a GPU runs them (FP32
+accumulation of the BF16 operands, output rounded: workloads.precision.bf16_linear, emulated since a
+BF16 matmul is ~130x slower on CPU); RoPE and attention in FP32 inside, BF16 out (flash-attention
+style); the loss on FP32 logits. Perturbed references draw every GEMM result again at its rounding
+(tolerance.perturbation=gemm, workloads/rounding_draws.py), as the built-in trainer's bf16 ones do: a
+one-ulp move of an FP32 weight mostly vanishes in its BF16 cast.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Any
 
 import torch
@@ -33,43 +45,75 @@ from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
+from workloads.precision import Precision, bf16_linear
+from workloads.rounding_draws import ROUNDING_FLIP, RoundingDraw, perturbed_linear
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
+PRECISIONS = ("fp32", "bf16")
 
 
 # -- the model (no parallelism in it) --------------------------------------------------------------
+# Modules with parameters compute in `compute` (set by `mixed_precision`; FP32: torch's own forward).
+class Linear(nn.Linear):
+    compute, gemm = torch.float32, staticmethod(F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == torch.float32 and self.gemm is F.linear:
+            return super().forward(x)
+        return self.gemm(x, self.weight.to(self.compute))
+
+
+class Embedding(nn.Embedding):
+    compute = torch.float32
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.compute == torch.float32:
+            return super().forward(tokens)
+        return F.embedding(tokens, self.weight.to(self.compute))
+
+
+class RMSNorm(nn.RMSNorm):
+    compute = torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute == torch.float32:
+            return super().forward(x)
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(self.compute), self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = heads, kv_heads, hidden // heads
-        self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.wq = Linear(hidden, heads * self.head_dim, bias=False)
+        self.wk = Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = Linear(heads * self.head_dim, hidden, bias=False)
         # First global query head and KV head held by this rank (set by `parallelize` under TP).
         self.q_offset, self.kv_offset = 0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         d = self.head_dim
-        q = self.wq(x).view(b, s, -1, d).transpose(1, 2)   # [b, local heads, s, d]
-        k = self.wk(x).view(b, s, -1, d).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, d).transpose(1, 2)
+        # [b, local heads, s, d]; RoPE and attention in FP32 (a no-op in an FP32 model), BF16 out
+        q = self.wq(x).view(b, s, -1, d).transpose(1, 2).float()
+        k = self.wk(x).view(b, s, -1, d).transpose(1, 2).float()
+        v = self.wv(x).view(b, s, -1, d).transpose(1, 2).float()
         pos = torch.arange(s, device=x.device)
         q, k = rotary(q, pos), rotary(k, pos)
         kv_of_q = (self.q_offset + torch.arange(q.shape[1], device=x.device)) // (self.n_heads // self.n_kv)
         idx = kv_of_q - self.kv_offset
         k, v = k.index_select(1, idx), v.index_select(1, idx)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / math.sqrt(d))
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1).to(x.dtype))
 
 
 class FeedForward(nn.Module):
     def __init__(self, hidden: int, ffn_hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.w1 = Linear(hidden, ffn_hidden, bias=False)
+        self.w2 = Linear(ffn_hidden, hidden, bias=False)
+        self.w3 = Linear(hidden, ffn_hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -79,9 +123,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         m = cfg.model
-        self.attention_norm = nn.RMSNorm(m.hidden, eps=1e-5)
+        self.attention_norm = RMSNorm(m.hidden, eps=1e-5)
         self.attention = Attention(m.hidden, m.heads, m.num_kv_heads)
-        self.ffn_norm = nn.RMSNorm(m.hidden, eps=1e-5)
+        self.ffn_norm = RMSNorm(m.hidden, eps=1e-5)
         self.feed_forward = FeedForward(m.hidden, m.ffn_hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +137,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         m = cfg.model
-        self.tok_embeddings = nn.Embedding(m.vocab, m.hidden)
+        self.tok_embeddings = Embedding(m.vocab, m.hidden)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(m.layers))
-        self.norm = nn.RMSNorm(m.hidden, eps=1e-5)
-        self.output = nn.Linear(m.hidden, m.vocab, bias=False)
+        self.norm = RMSNorm(m.hidden, eps=1e-5)
+        self.output = Linear(m.hidden, m.vocab, bias=False)
         self.tied = m.tie_embeddings
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
@@ -106,6 +150,22 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h))
+
+
+def mixed_precision(model: Transformer, precision: str, draws: int | None, draw_stream: int) -> None:
+    """The modules' compute dtype and GEMM (module doc); `draws`: a perturbed run's seed for rounding
+    draws on every GEMM result (forward output, input grad). `draw_stream`: the rank's data
+    coordinate, so each rank's microbatches get draws of their own; TP ranks share a stream, so a
+    GEMM replicated over TP (the K/V projections of few KV heads) stays bitwise one replica."""
+    compute = Precision(precision).param_dtype
+    for name, m in model.named_modules():
+        if isinstance(m, (Linear, Embedding, RMSNorm)):
+            m.compute = compute
+        if isinstance(m, Linear):
+            m.gemm = bf16_linear if compute == torch.bfloat16 else F.linear
+            if draws is not None:
+                seed = draws * 1_000_003 + zlib.crc32(name.encode()) % 1_000_003 + draw_stream * 7_919
+                m.gemm = perturbed_linear(m.gemm, RoundingDraw(seed, ROUNDING_FLIP[precision]))
 
 
 # -- parallelization (torch's own APIs) ------------------------------------------------------------
@@ -137,7 +197,7 @@ def _replicated_kv_style() -> Any:
 def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
     """torchtitan's recipe: TP(+SP) plan per block, activation checkpointing (parallel.recompute), then
     FSDP2 per block and at the root."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -197,9 +257,12 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
         for i, block in enumerate(model.layers):
             model.layers.register_module(str(i), checkpoint_wrapper(block, preserve_rng_state=False))
     if mesh["dp"].size() > 1:
+        # torchtitan's mixed precision: FSDP2 casts the parameters it gathers and reduces grads in FP32
+        mp = MixedPrecisionPolicy(param_dtype=Precision(cfg.precision).param_dtype,
+                                  reduce_dtype=torch.float32)
         for block in model.layers:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
@@ -270,7 +333,11 @@ def validate(spec: dict) -> None:
          f"only TP, SP and FSDP2 data parallelism are wired ({SUPPORTED})")
     need(p.world_size == p.tp * p.dp and p.dp >= 1, f"world_size={p.world_size} must be tp*dp")
     need(not p.sp or p.tp > 1, "sp needs tp > 1")
-    need(cfg.precision == "fp32", f"precision={cfg.precision}: the torch-native recipe runs fp32 only")
+    need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the torch-native recipe runs "
+         f"{' or '.join(PRECISIONS)}")
+    need(perturbation(spec) == "gemm" or cfg.precision == "fp32",
+         "tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 cast, "
+         "so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
     tp = p.tp
     need(m.heads % tp == 0, f"heads={m.heads} must be divisible by tp={tp}")
     need(m.heads % m.num_kv_heads == 0, f"heads={m.heads} must be a multiple of kv_heads={m.num_kv_heads}")
@@ -289,6 +356,12 @@ def validate(spec: dict) -> None:
     need((why := recompute_refused(p.recompute, selective=False)) is None, str(why))
 
 
+def perturbation(spec: dict) -> str:
+    """What the perturbed references move: weights (fp32) or GEMM roundings (bf16)."""
+    name = str((spec.get("precision") or {}).get("name", "fp32"))
+    return Precision(name).perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
+
+
 def main(session: Session | None = None) -> dict[str, Any]:
     """One rank of the torch-native job (an entrypoint of the job contract)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -298,7 +371,11 @@ def main(session: Session | None = None) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         model = Transformer(cfg)
         tr.init_weights(model)                 # full logical weights, before sharding
+        moves = perturbation(job.spec)
+        draws = tr.perturb if tr.role == "perturbed" and moves == "gemm" else None
+        mixed_precision(model, cfg.precision, draws, mesh["dp"].get_local_rank())
         parallelize(model, mesh, cfg)
-        tr.attach(model, mesh=mesh)            # layouts from DTensor placements; the role applied
+        # layouts from DTensor placements; the role applied (weights moved, or GEMM draws above)
+        tr.attach(model, mesh=mesh, perturb=moves == "weights", meta={"perturbation": moves})
         dp = mesh["dp"]
         return {"losses": train(model, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None)}
