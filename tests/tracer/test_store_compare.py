@@ -429,6 +429,32 @@ def test_a_stats_candidate_is_judged_against_a_full_reference(traces):
     assert compare(ref, load(traces, "buggy", 2), pert, TolerancePolicy()).verdict == "fail"
 
 
+def test_stats_mode_judges_a_sum_where_the_full_mode_judges_a_projection(tmp_path):
+    """The sum is a projection (on the all-ones direction): judged on a matrix's grad, not on a grad of
+    one dimension (a norm weight's, a bias's) nor on a post-step parameter, where honest errors lie
+    along the tensor (tracer.tolerance.TolerancePolicy.scale_tolerance). Here the perturbed run moves
+    no sum (its deviation alternates in sign) and the candidate moves every element by the same 1e-3:
+    the sum is ~1,800x its tolerance (the floor), the norm and the largest magnitude within theirs."""
+    v = (torch.arange(64, dtype=torch.float32) - 31.5) / 32   # sums to zero
+    alternating = 1e-3 * (1 - 2 * (torch.arange(64) % 2)).float()
+    for run, t in (("reference", v), ("perturbed-0", v + alternating), ("candidate", v + 1e-3)):
+        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, mode="stats")
+        with tr.step(0):
+            tr.record("norm.weight", "param_grad", t)
+            tr.record("proj.weight", "param_grad", t.view(8, 8))
+            tr.record("proj.weight", "param", t.view(8, 8))
+        tr.close()
+    got = compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-0")],
+                  TolerancePolicy())
+    verdicts = {r.name: (r.ok, r.reason) for r in got.results}
+    assert verdicts["0/-/norm.weight/param_grad"] == (True, "")
+    assert verdicts["0/-/proj.weight/param"] == (True, "")
+    ok, reason = verdicts["0/-/proj.weight/param_grad"]
+    assert not ok and reason.startswith("sum: relative error"), reason
+    bad = next(r for r in got.results if r.name == "0/-/proj.weight/param_grad")
+    assert bad.rel_err < bad.tolerance and bad.max_err < bad.max_tolerance   # only its sum is off
+
+
 def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
     write_run(tmp_path, "reference", mode="stats")
     write_run(tmp_path, "perturbed-0", mode="stats")
