@@ -53,32 +53,31 @@ PRECISIONS = ("fp32", "bf16")
 
 
 # -- the model (no parallelism in it) --------------------------------------------------------------
-# Modules with parameters compute in `compute` (set by `mixed_precision`; FP32: torch's own forward).
-class Linear(nn.Linear):
-    compute, gemm = torch.float32, staticmethod(F.linear)
+class CastsWeight(nn.Module):
+    """A module computing with its weight cast to `compute` (set by `mixed_precision`), as FSDP2's
+    mixed precision hands it; in FP32, with its own default GEMM, torch's forward untouched."""
+    compute = torch.float32
+    gemm = staticmethod(F.linear)   # Linear's: bf16_linear in bf16, drawn in perturbed runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute == torch.float32 and self.gemm is F.linear:
             return super().forward(x)
-        return self.gemm(x, self.weight.to(self.compute))
+        return self.cast_forward(x, self.weight.to(self.compute))
 
 
-class Embedding(nn.Embedding):
-    compute = torch.float32
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.compute == torch.float32:
-            return super().forward(tokens)
-        return F.embedding(tokens, self.weight.to(self.compute))
+class Linear(CastsWeight, nn.Linear):
+    def cast_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, w)
 
 
-class RMSNorm(nn.RMSNorm):
-    compute = torch.float32
+class Embedding(CastsWeight, nn.Embedding):
+    def cast_forward(self, tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, w)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute == torch.float32:
-            return super().forward(x)
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(self.compute), self.eps)
+
+class RMSNorm(CastsWeight, nn.RMSNorm):
+    def cast_forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
 class Attention(nn.Module):
@@ -159,7 +158,7 @@ def mixed_precision(model: Transformer, precision: str, draws: int | None, draw_
     GEMM replicated over TP (the K/V projections of few KV heads) stays bitwise one replica."""
     compute = Precision(precision).param_dtype
     for name, m in model.named_modules():
-        if isinstance(m, (Linear, Embedding, RMSNorm)):
+        if isinstance(m, CastsWeight):
             m.compute = compute
         if isinstance(m, Linear):
             m.gemm = bf16_linear if compute == torch.bfloat16 else F.linear
