@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator import cluster, routing
+from orchestrator import cluster
 from orchestrator.rank_logs import log_dir
 from orchestrator.refcache import ReferenceSet
 from orchestrator.report import tracking
@@ -25,20 +25,14 @@ CALIBRATED_PERTURBATIONS = 3
 
 
 def verdict_warnings(rec: dict[str, Any], verdict: str) -> list[str]:
-    """What may make a verdict of this recipe wrong: a FAIL on fewer perturbed runs than calibrated, or
-    in stats mode for a job other than the built-in trainer (a false alarm?), a catalog bug checked
-    without the reference it needs (a PASS that cannot see it)."""
+    """What may make a verdict of this recipe wrong: a FAIL on fewer perturbed runs than calibrated (a
+    false alarm?), a catalog bug checked without the reference it needs (a PASS that cannot see it)."""
     out = []
     if verdict == "fail" and (r := int(rec["tolerance"]["perturbations"])) < CALIBRATED_PERTURBATIONS:
         out.append(f"judged on {r} perturbed reference runs, fewer than the {CALIBRATED_PERTURBATIONS} the "
                    f"tolerance is calibrated on: a clean run has failed that way (docs/tolerance.md, Known "
                    f"gaps); to rule a false alarm out, run the check again with "
                    f"tolerance.perturbations={CALIBRATED_PERTURBATIONS}")
-    if verdict == "fail" and (rec.get("trace") or {}).get("mode") == "stats" and not routing.builtin(rec):
-        out.append("judged in trace.mode=stats, whose tolerances were measured on the built-in trainer "
-                   "only: clean bf16 torch-native checks have failed that way (docs/stats_mode.md); to "
-                   "rule a false alarm out, run the check again with trace.mode=full, which also names the "
-                   "culprit")
     if (left_out := bugs.reference_left_out(rec)) is not None:
         out.append(left_out)
     return out

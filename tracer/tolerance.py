@@ -232,6 +232,7 @@ class TolerancePolicy:
     # band_floor x the norm-wise noise (docs/tolerance.md "The scale band"); k_band = 0 turns it off.
     k_band: float = 8.0
     band_floor: float = 0.25
+    k_stats_draws: float = 24.0   # trace.mode=stats under GEMM rounding draws: its k (docs/stats_mode.md)
     # Replicas (the same logical tensor on several ranks): "exact" (the default) requires bitwise
     # agreement, as the same kernels on the same inputs give; "tolerance" judges their distance
     # against the norm-wise tolerance, for recipes with nondeterministic kernels.
@@ -239,8 +240,7 @@ class TolerancePolicy:
 
     @classmethod
     def from_config(cls, tol: Mapping[str, Any]) -> TolerancePolicy:
-        """From a recipe's `tolerance` section (keys k, floor_ulps, k_elem, floor_elem, k_scale, k_rowcol,
-        k_own, k_joint, k_band, band_floor, depth_c, replicas)."""
+        """From a recipe's `tolerance` section (its keys named as the fields; others are ignored)."""
         kinds = {f.name: f.type for f in fields(cls)}
         kw = {k: (str(v) if kinds[k] == "str" else float(v)) for k, v in tol.items() if k in kinds}
         if kw.get("replicas", "exact") not in ("exact", "tolerance"):

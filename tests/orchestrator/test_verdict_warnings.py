@@ -3,8 +3,6 @@
 - a FAIL judged on fewer perturbed runs than the tolerance was calibrated on (R = 3): at R = 2 a
   clean fp8 check has failed (docs/tolerance.md, Known gaps). Judged by `ttrace compare`'s path on
   hand-built traces (no Ray);
-- a FAIL in stats mode of a job other than the built-in trainer, whose stats tolerances were never
-  calibrated there (clean bf16 torch-native checks failed, docs/stats_mode.md);
 - a catalog bug checked without the reference its entry needs (Bug.reference): the single-device
   reference runs the same code and shares the bug, so the check cannot see it."""
 
@@ -64,17 +62,3 @@ def test_a_catalog_bug_checked_without_the_reference_it_needs_is_said_to_be_unse
         assert len(said) == (warned is not None), said
         if warned:
             assert warned in said[0] and "ttrace bugs" in said[0]
-
-
-@pytest.mark.parametrize(("overrides", "verdict", "warned"), [
-    (["job=torch_native", "precision=bf16", "trace.mode=stats"], "fail", True),
-    (["job=torch_native", "precision=bf16", "trace.mode=stats"], "pass", False),
-    (["job=torch_native", "precision=bf16"], "fail", False),   # full mode
-    (["trace.mode=stats"], "fail", False),                      # the built-in trainer's, measured
-])
-def test_a_stats_mode_fail_of_a_job_it_was_not_calibrated_on_says_how_to_rule_a_false_alarm_out(
-        overrides, verdict, warned):
-    said = [w for w in verdict_warnings(compose(overrides), verdict) if "trace.mode=stats" in w]
-    assert bool(said) == warned, said
-    if warned:
-        assert "trace.mode=full" in said[0]

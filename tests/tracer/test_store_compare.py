@@ -455,6 +455,24 @@ def test_stats_mode_judges_a_sum_where_the_full_mode_judges_a_projection(tmp_pat
     assert bad.rel_err < bad.tolerance and bad.max_err < bad.max_tolerance   # only its sum is off
 
 
+@pytest.mark.parametrize(("perturbation", "scale", "verdict"), [
+    ("weights", 1e-3, "fail"), ("gemm", 1e-3, "pass"), ("gemm", 3e-3, "fail")])
+def test_stats_mode_under_gemm_rounding_draws_judges_at_k_stats_draws(tmp_path, perturbation, scale, verdict):
+    """Perturbed runs that are GEMM rounding draws (bf16, fp8) move a statistic far less than an honest
+    TP layout does, so stats mode judges them at k_stats_draws (24), not k (4): a grad scaled 10x its
+    noise fails where the weights were perturbed, passes under draws; 30x fails either way."""
+    v = ((torch.arange(64, dtype=torch.float32) - 31.5) / 32).view(8, 8)
+    for run, t in (("reference", v), ("perturbed-1", v * (1 + 1e-4)), ("candidate", v * (1 + scale))):
+        meta = {"perturbation": perturbation} if run == "perturbed-1" else {}
+        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, meta=meta, mode="stats")
+        with tr.step(0):
+            tr.record("proj.weight", "param_grad", t)
+        tr.close()
+    got = compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-1")],
+                  TolerancePolicy())
+    assert got.verdict == verdict, [(r.rel_err, r.tolerance) for r in got.results]
+
+
 def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
     write_run(tmp_path, "reference", mode="stats")
     write_run(tmp_path, "perturbed-0", mode="stats")
