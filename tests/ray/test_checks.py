@@ -65,6 +65,7 @@ BESIDE = {
             "tolerance.perturbations=2", "tracking.enabled=false"],
     "stats": STATS,
     "stats_bug": [*STATS, "bug=sp_layernorm_grad_unreduced"],
+    "stats_bf16": [*STATS, "precision=bf16"],
     "recompute": RECOMPUTE,   # Megatron-style full recomputation (reentrant) in the candidate only
     "recompute_bug": [*RECOMPUTE, "bug=sp_layernorm_grad_unreduced"],
     # the comparison measured in two Ray tasks (orchestrator/compare_tasks.py)
@@ -137,6 +138,16 @@ def test_stats_mode_passes_the_clean_check_and_flags_the_unreduced_layernorm_gra
     fd = buggy.report["first_divergence"]
     assert fd["module_type"] == "LayerNorm" and fd["kind"] == "param_grad", fd
     assert "trace.mode=stats" in buggy.report["localization_error"]   # no values to feed an isolation pass
+
+
+def test_stats_mode_passes_a_clean_bf16_check_judged_at_k_stats_draws(batch):
+    """Under GEMM rounding draws the statistics are judged at tolerance.k_stats_draws (24): at k (4)
+    this clean bf16 tp2_sp check failed (1.13x, a LayerNorm weight grad's largest magnitude); at 24 its
+    worst was 0.19 (docs/stats_mode.md)."""
+    res = batch["stats_bf16"]
+    assert res.verdict == "pass" and res.exit_code == 0, (res.message, res.report.get("first_divergence"))
+    worst = max(t["rel_err"] / t["tolerance"] for t in res.report["tensors"] if t["tolerance"] > 0)
+    assert 0 < worst < 1, worst
 
 
 def test_full_recomputation_records_the_same_tensors_passes_clean_and_localizes_a_bug(batch):
