@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracer.errors import ConfigError
-from workloads.rounding_draws import ROUNDING_FLIP, RoundingDraw, perturbed_linear
+from workloads.rounding_draws import perturbed_linear, rounding_draw
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 PERTURBATIONS = ("weights", "gemm")
@@ -77,6 +77,11 @@ class Precision:
         if setting not in PERTURBATIONS:
             raise ConfigError(f"tolerance.perturbation={setting}: use auto, weights or gemm")
         return setting
+
+
+def perturbation_of(spec: Mapping[str, Any]) -> str:
+    """What the spec's perturbed references move (Precision.perturbation of tolerance.perturbation)."""
+    return from_spec(spec).perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
 
 
 def from_spec(spec: Mapping[str, Any]) -> Precision:
@@ -207,9 +212,8 @@ def apply(model: nn.Module, recipe: Precision, amax_group: Group, dp_group: Grou
         elif recipe.mixed:
             m.linear = bf16_linear
         if gemm_draws is not None:   # a perturbed reference with perturbation=gemm: its run's seed
-            m.linear = perturbed_linear(m.linear, RoundingDraw(gemm_draws * 1_000_003 + len(name)
-                                                             + draw_stream * 7_919,
-                                                             ROUNDING_FLIP[recipe.name]))
+            draw = rounding_draw(gemm_draws, len(name), draw_stream, recipe.name)
+            m.linear = perturbed_linear(m.linear, draw)
     if not recipe.mixed:
         return
     for p in model.parameters():

@@ -29,6 +29,12 @@ class RoundingDraw:
         return torch.where(torch.rand(t.shape, generator=self.gen) < self.flip, moved, t)
 
 
+def rounding_draw(run: int, key: int, stream: int, precision: str) -> RoundingDraw:
+    """The draws of one GEMM in perturbed run `run` (its TTRACE_PERTURB): `key` tells the GEMM apart,
+    `stream` the rank's data coordinate (its own microbatches' draws)."""
+    return RoundingDraw(run * 1_000_003 + key + stream * 7_919, ROUNDING_FLIP[precision])
+
+
 class _PerturbGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, noise):

@@ -95,7 +95,7 @@ def train(job: harness.RankJob) -> list[float]:
     mark_tensor_parallel(model, plan, ps)
     model.to(device)
     # Perturbed references: one ulp of every weight (tr.attach), or rounding draws on every GEMM result.
-    moves = recipe.perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
+    moves = precision.perturbation_of(spec)
     precision.apply(model, recipe, ps.tp_cp_group, ps.dp_group,
                     amax_unreduced=bugs.active(cfg.bug, "fp8_amax_unreduced"),
                     gemm_draws=tr.perturb if tr.role == "perturbed" and moves == "gemm" else None,

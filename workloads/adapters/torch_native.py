@@ -45,8 +45,8 @@ from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
-from workloads.precision import Precision, bf16_linear
-from workloads.rounding_draws import ROUNDING_FLIP, RoundingDraw, perturbed_linear
+from workloads.precision import Precision, bf16_linear, perturbation_of
+from workloads.rounding_draws import perturbed_linear, rounding_draw
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
 PRECISIONS = ("fp32", "bf16")
@@ -163,8 +163,8 @@ def mixed_precision(model: Transformer, precision: str, draws: int | None, draw_
         if isinstance(m, Linear):
             m.gemm = bf16_linear if compute == torch.bfloat16 else F.linear
             if draws is not None:
-                seed = draws * 1_000_003 + zlib.crc32(name.encode()) % 1_000_003 + draw_stream * 7_919
-                m.gemm = perturbed_linear(m.gemm, RoundingDraw(seed, ROUNDING_FLIP[precision]))
+                key = zlib.crc32(name.encode()) % 1_000_003
+                m.gemm = perturbed_linear(m.gemm, rounding_draw(draws, key, draw_stream, precision))
 
 
 # -- parallelization (torch's own APIs) ------------------------------------------------------------
@@ -334,7 +334,7 @@ def validate(spec: dict) -> None:
     need(not p.sp or p.tp > 1, "sp needs tp > 1")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the torch-native recipe runs "
          f"{' or '.join(PRECISIONS)}")
-    need(perturbation(spec) == "gemm" or cfg.precision == "fp32",
+    need(perturbation_of(spec) == "gemm" or cfg.precision == "fp32",
          "tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 cast, "
          "so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
     tp = p.tp
@@ -355,12 +355,6 @@ def validate(spec: dict) -> None:
     need((why := recompute_refused(p.recompute, selective=False)) is None, str(why))
 
 
-def perturbation(spec: dict) -> str:
-    """What the perturbed references move: weights (fp32) or GEMM roundings (bf16)."""
-    name = str((spec.get("precision") or {}).get("name", "fp32"))
-    return Precision(name).perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
-
-
 def main(session: Session | None = None) -> dict[str, Any]:
     """One rank of the torch-native job (an entrypoint of the job contract)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -370,7 +364,7 @@ def main(session: Session | None = None) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         model = Transformer(cfg)
         tr.init_weights(model)                 # full logical weights, before sharding
-        moves = perturbation(job.spec)
+        moves = perturbation_of(job.spec)
         draws = tr.perturb if tr.role == "perturbed" and moves == "gemm" else None
         mixed_precision(model, cfg.precision, draws, mesh["dp"].get_local_rank())
         parallelize(model, mesh, cfg)
