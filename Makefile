@@ -55,12 +55,13 @@ nightly: setup
 	$(BIN)/python -m orchestrator.nightly nightly=$(nightly) $(NIGHTLY_ARGS)
 
 # Tolerance calibration + clean-matrix false positives (every model family and recipe, 8 ranks
-# included; exits 1 on any) + corruption study + clean checks from a
+# included, judged in full and as stats mode; exits 1 on any) + corruption study + clean checks from a
 # checkpoint trained 200 steps (--trained) -> bench/tolerance.json (BENCH_ARGS="--trained 0" skips that)
 bench-tolerance: setup
 	$(BIN)/python bench/tolerance.py $(BENCH_ARGS)
 
-# Bug catalog: detection, culprit, blame window, loss-curve baseline, scan at the real step -> bench/bugs.json + bench/bugs.md
+# Bug catalog: detection, culprit, blame window, loss-curve baseline, scan at the real step, stats mode
+# -> bench/bugs.json + bench/bugs.md
 # (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)
 bench-bugs: setup
 	$(BIN)/python bench/bugs.py $(BENCH_ARGS)

@@ -13,6 +13,11 @@ Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
                   where that is earlier (its first steps', scan.full_steps, or its phase-2 rerun's,
                   which checks the step before too; marked "in full"), and the culprit the full check
                   that decided names (the isolation pass's, else its first divergence) against `expect`
+  stats mode      the same check and its clean counterpart with every run traced in `trace.mode=stats`
+                  (docs/stats_mode.md; `localize=false`: the verdict only): whether stats mode flags
+                  the bug, and the largest statistic over its tolerance (`--no-stats` skips it). A
+                  bug stats mode does not see is reported, not a failure of the bench (what the mode
+                  cannot see is documented); a clean counterpart it fails is one
 
 A late bug (Bug.first_step > 0) is checked at its `early` recipe (it acts at step 1 of the 2-step
 check); its loss curves and its scan run at its `late` recipe (Bug.scan_recipe), where it first acts
@@ -47,22 +52,27 @@ from tracer.errors import TTraceError  # noqa: E402
 from workloads.bugs import CATALOG  # noqa: E402
 
 COMMON = ["tracking.enabled=false"]
+STATS = ["trace.mode=stats", "localize=false"]   # the stats-mode column's checks
 SUSTAIN = 10   # loss-curve baseline: steps the loss gap must stay above the seed spread
 SCAN_AFTER = 4   # a scan runs Bug.first_step + SCAN_AFTER steps: the bug's step and a few after it
 
 
-def _checks(bugs: list[str], work: Path, extra: list[str]) -> dict[str, Any]:
-    """Run every bug's check and each distinct trigger's clean counterpart; reports by label."""
+def _checks(bugs: list[str], work: Path, extra: list[str], stats: bool) -> dict[str, Any]:
+    """Run every bug's check and each distinct trigger's clean counterpart, and with `stats` the same
+    in stats mode (labels prefixed "stats:"); reports by label."""
     items, labels = [], []
-    for name in bugs:
-        trig = list(CATALOG[name].recipe)   # the trigger, and the reference the bug needs
-        items.append((recipe.compose([*trig, f"bug={name}", *COMMON, *extra]), work / name))
-        labels.append(name)
-        clean = "clean:" + " ".join(trig)
-        if clean not in labels:
-            rec = recipe.compose([*trig, "bug=none", *COMMON, *extra])
-            items.append((rec, work / f"clean-{len(labels)}"))
-            labels.append(clean)
+    for prefix, mode in (("", []), ("stats:", STATS))[:2 if stats else 1]:
+        tag = prefix.replace(":", "-")   # the checks' directories: <bug>, clean-<i>, stats-<bug>, ...
+        for name in bugs:
+            trig = list(CATALOG[name].recipe)   # the trigger, and the reference the bug needs
+            rec = recipe.compose([*trig, f"bug={name}", *COMMON, *mode, *extra])
+            items.append((rec, work / f"{tag}{name}"))
+            labels.append(prefix + name)
+            clean = f"{prefix}clean:" + " ".join(trig)
+            if clean not in labels:
+                rec = recipe.compose([*trig, "bug=none", *COMMON, *mode, *extra])
+                items.append((rec, work / f"{tag}clean-{len(labels)}"))
+                labels.append(clean)
     results = run_checks(items, base_dir=str(work), progress=True)
     return {label: r for label, r in zip(labels, results, strict=True)}
 
@@ -176,6 +186,32 @@ def _curve_trigger(name: str) -> list[str]:
     return [*bug.trigger, *bug.late]
 
 
+def worst_over_tolerance(report: dict[str, Any]) -> float:
+    """A stats-mode report's largest statistic over its tolerance (norm, largest magnitude, sum)."""
+    worst = 0.0
+    for t in report.get("tensors", []):
+        for err, tol in (("rel_err", "tolerance"), ("max_err", "max_tolerance"),
+                         ("scale_err", "scale_tolerance")):
+            e, bound = t.get(err), t.get(tol)
+            if isinstance(e, (int, float)) and isinstance(bound, (int, float)) and e and bound > 0:
+                worst = max(worst, abs(e) / bound)
+    return worst
+
+
+def _stats_fields(name: str, res: Any, clean: Any) -> dict[str, Any]:
+    """The stats-mode column of a bug: its check's and its clean counterpart's verdicts, the first
+    tensor it flags and whether that is at the catalogued module (stats mode has no isolation pass:
+    its first divergence is all it says), and each one's largest statistic over tolerance."""
+    fd = res.report.get("first_divergence") or {}
+    return {"stats_verdict": res.verdict, "stats_clean_verdict": clean.verdict,
+            "stats_detected": res.verdict == "fail" and clean.verdict == "pass",
+            "stats_first_divergence": fd.get("name"), "stats_reason": fd.get("reason") or res.message or None,
+            "stats_correct_module": bool(fd) and fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}",
+                                                                 CATALOG[name].expect),
+            "stats_worst": worst_over_tolerance(res.report),
+            "stats_clean_worst": worst_over_tolerance(clean.report)}
+
+
 def _row(name: str, res: Any, clean: Any, loss: dict[str, Any] | None, steps: int,
          scan: dict[str, Any] | None) -> dict[str, Any]:
     bug = CATALOG[name]
@@ -231,6 +267,19 @@ def _scan_cell(r: dict[str, Any]) -> tuple[str, str]:
     return at, cell
 
 
+def _stats_cell(r: dict[str, Any]) -> str:
+    if "stats_verdict" not in r:
+        return "-"
+    if r["stats_clean_verdict"] != "pass":
+        return f"**clean {r['stats_clean_verdict'].upper()}** ({r['stats_clean_worst']:.2f}x)"
+    if r["stats_detected"]:
+        fd = r["stats_first_divergence"]
+        said = "yes, there" if r["stats_correct_module"] else f"yes, first at `{fd}`"
+    else:
+        said = "**error**" if r["stats_verdict"] == "error" else "not seen"
+    return f"{said} ({r['stats_worst']:.3g}x; clean {r['stats_clean_worst']:.2f}x)"
+
+
 def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
     lines = ["# ttrace bug catalog benchmark", "",
              f"{totals['detected']}/{totals['bugs']} detected, {totals['correct']}/{totals['bugs']} "
@@ -238,6 +287,13 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
              f"(modules diverged without isolation: {totals['mean_diverged_modules']}), clean "
              f"counterparts passing {totals['clean_pass']}/{totals['clean']}; "
              f"{totals['wall_s']:.0f} s wall", ""]
+    if totals.get("stats_clean"):
+        lines += [f"Stats mode (`trace.mode=stats localize=false`, every run of the check): "
+                  f"{totals['stats_detected']}/{totals['bugs']} flagged, {totals['stats_correct']}/"
+                  f"{totals['bugs']} first at the catalogued module, clean counterparts passing "
+                  f"{totals['stats_clean_pass']}/{totals['stats_clean']}. A bug it does not see is what "
+                  "the mode cannot see (docs/stats_mode.md), not a failure of this bench; a clean FAIL "
+                  "is.", ""]
     if totals.get("scanned"):
         lines += [f"Scans (`ttrace scan` of {totals['scanned']} bugs at their real step, "
                   f"Bug.first_step + {SCAN_AFTER} steps): {totals['scan_on_time']}/{totals['scanned']} "
@@ -247,8 +303,9 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
                   "`early` step 1); its loss curves and scan run Bug.scan_recipe (its real step).", ""]
     lines += ["| bug | trigger recipe | detected | first divergence | culprit | correct module? "
               "| blame window | modules diverged | loss curve shows it at step | scan flags it at step "
-              "| scan rerun culprit: correct? |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| scan rerun culprit: correct? | stats mode flags it at the catalogued module? (largest "
+              "statistic x tolerance; clean's) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         loss = r.get("loss_first_step", "-")
         if "loss_first_step" in r and loss is None:
@@ -260,7 +317,7 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
                      f"{r.get('culprit') or 'unresolved'} | "
                      f"{'yes' if r.get('correct_module') else '**no**'} | "
                      f"{r.get('blame_window', '-')} | {r.get('diverged_modules', '-')} | {loss} | "
-                     f"{' | '.join(_scan_cell(r))} |")
+                     f"{' | '.join(_scan_cell(r))} | {_stats_cell(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,6 +329,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3, help="clean seeds for the loss spread")
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
                     help="`ttrace scan` each bug at its real step (--no-scan: skip)")
+    ap.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
+                    help="each check and clean counterpart again in trace.mode=stats (--no-stats: skip)")
     ap.add_argument("--scan-bugs", default="", help="comma-separated subset of --bugs to scan (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "bugs.json"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides applied to every check")
@@ -291,7 +350,7 @@ def main() -> int:
     work = ROOT / "bench" / "bugs_runs" / time.strftime("%Y%m%d-%H%M%S")
     t0 = time.perf_counter()
     try:
-        checks = _checks(bugs, work, args.overrides)
+        checks = _checks(bugs, work, args.overrides, args.stats)
         checks_s = time.perf_counter() - t0
         scans = _scans(scan_bugs, work, args.overrides)
         scans_s = time.perf_counter() - t0 - checks_s
@@ -302,8 +361,13 @@ def main() -> int:
         return 2
     rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].recipe)], losses.get(b),
                  args.loss_steps, scans.get(b)) for b in bugs]
+    if args.stats:
+        for r in rows:
+            r.update(_stats_fields(r["bug"], checks["stats:" + r["bug"]],
+                                   checks["stats:clean:" + " ".join(CATALOG[r["bug"]].recipe)]))
     scanned = [r for r in rows if "scan_steps" in r]
     cleans = [r for k, r in checks.items() if k.startswith("clean:")]
+    stats_cleans = [r for k, r in checks.items() if k.startswith("stats:clean:")]
     windows = [r["blame_window"] for r in rows if r.get("blame_window")]
     totals = {"bugs": len(rows), "detected": sum(r["detected"] for r in rows),
               "correct": sum(bool(r.get("correct_module")) for r in rows),
@@ -316,6 +380,11 @@ def main() -> int:
               "scan_correct": sum(bool(r.get("scan_correct_module")) for r in scanned),
               "scan_ok": sum(r["scan_ok"] for r in scanned),
               "loss_errors": sum(bool(v.get("error")) for v in losses.values()),
+              "stats_detected": sum(bool(r.get("stats_detected")) for r in rows),
+              "stats_correct": sum(bool(r.get("stats_detected") and r.get("stats_correct_module"))
+                                   for r in rows),
+              "stats_clean": len(stats_cleans),
+              "stats_clean_pass": sum(r.verdict == "pass" for r in stats_cleans),
               "checks_wall_s": checks_s, "scans_wall_s": scans_s, "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.write_text(json.dumps({"totals": totals, "rows": rows,
@@ -326,10 +395,12 @@ def main() -> int:
     print(f"wrote {out} and {out.with_suffix('.md')}")
     # Exit 1 on any miss, any culprit away from its catalogued module, any clean counterpart not passing;
     # any scan that errs, misses, flags a step before its bug acts, or whose rerun names another module;
-    # any loss curve that could not run (its column would be no baseline).
+    # any loss curve that could not run (its column would be no baseline); any clean counterpart stats
+    # mode fails, or any stats-mode check that ends in an error.
     ok = (totals["detected"] == totals["bugs"] and totals["correct"] == totals["bugs"]
           and totals["clean_pass"] == totals["clean"] and totals["scan_ok"] == totals["scanned"]
-          and not totals["loss_errors"])
+          and not totals["loss_errors"] and totals["stats_clean_pass"] == totals["stats_clean"]
+          and not any(r.get("stats_verdict") == "error" for r in rows))
     return 0 if ok else 1
 
 

@@ -10,7 +10,9 @@ smallest corruption each method detects. Writes bench/tolerance.json and prints 
    elem_err / max_r loo_r). k and the floors are chosen from these ratios (docs/tolerance.md).
 3. Clean matrix (seeds `--seeds`, held out from the calibration; every family): verdicts under the
    chosen policy (must be 0 false positives: the bench exits 1 on any), also for Megatron's fixed
-   bound and torch.testing.assert_close; false positives per family and in total.
+   bound and torch.testing.assert_close; false positives per family and in total. Each check is also
+   judged as `trace.mode=stats` judges it (`stats_verdict`: its statistics computed from the full
+   traces), whose false positives exit 1 too.
 4. Corruption study on saved traces (gpt_tiny): candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
    smallest delta each method detects. In bf16 and fp8 also the local verdict (tolerance.local,
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from orchestrator import cluster, recipe, routing  # noqa: E402
-from tracer.compare import compare  # noqa: E402
+from tracer.compare import compare, rounding_draws  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 from tracer.local_verdict import (  # noqa: E402
     K_LOCAL,
@@ -51,6 +53,7 @@ from tracer.local_verdict import (  # noqa: E402
     summary,
 )
 from tracer.logical import load_logical  # noqa: E402
+from tracer.stats_compare import STATS, compare_stats  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
     compute_roundoff,
@@ -213,6 +216,24 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
             "assert_close_fail": assert_close_fails(c, r, e["dtype"]),
         })
     return out
+
+
+def stats_verdict(ref: Any, pert: list[Any], cand: Any, policy: TolerancePolicy) -> dict[str, Any]:
+    """The check's verdict had every run traced with `trace.mode=stats` (tracer/stats_compare.py): the
+    same judge, on the statistics a stats-mode trace records, here computed from the full traces'
+    reassembled tensors (equal up to the float64 summation order; docs/stats_mode.md), and the
+    largest statistic over its tolerance."""
+    comp = compare_stats(ref, cand, pert, policy, rounding_draws(pert))
+    worst = {"ratio": 0.0}
+    for res in comp.results:
+        for stat, err, tol in zip(STATS, (res.rel_err, res.max_err, res.scale_err),
+                                  (res.tolerance, res.max_tolerance, res.scale_tolerance), strict=True):
+            ratio = 0.0 if err == 0 else err / tol if tol > 0 else math.inf
+            if ratio > worst["ratio"]:
+                worst = {"ratio": ratio, "name": res.name, "stat": stat}
+    first = comp.first_divergence
+    return {"verdict": comp.verdict, "worst": worst,
+            "first_divergence": f"{first.name}: {first.reason}" if first else None}
 
 
 def _band_room(err: float, band: tuple[float, float]) -> float:
@@ -484,7 +505,8 @@ def main() -> int:
                     "megatron_fixed_fp_grads": sum(s["megatron_fail"] for s in stats
                                                    if s["kind"] == "param_grad"),
                     "assert_close_fp": sum(s["assert_close_fail"] for s in stats),
-                    "local": local_verdict(ref, url, par, prec) if prec in LOCAL_PRECISIONS else None})
+                    "local": local_verdict(ref, url, par, prec) if prec in LOCAL_PRECISIONS else None,
+                    "stats_mode": stats_verdict(ref, pert, cand, policy)})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
             studies += corruption(ref, pert, cands["tp2"], prec, policy)
             # the method before the scale band (2026-11-26), before the joint rule (2026-11-25), and
@@ -521,6 +543,7 @@ def main() -> int:
                          "megatron_fixed_checks_flagged": sum(v["megatron_fixed_fp"] > 0 for v in verdicts),
                          "assert_close_checks_flagged": sum(v["assert_close_fp"] > 0 for v in verdicts),
                          "local_verdict": local_summary(verdicts),
+                         "stats_mode": stats_summary(verdicts, policy),
                          "verdicts": verdicts,
                          "held_out_ratios": calibrate(rows["matrix"])},
         "tolerance_over_clean_error": headroom(rows["matrix"], precs),
@@ -534,10 +557,11 @@ def main() -> int:
     print(f"wrote {args.out}")
     if args.trained and trained_stage(args, Path(args.out)):
         return 1
-    # The figure this bench exists for: no clean check of any family may fail, by default or with
-    # the local verdict a recipe may ask for.
-    return 1 if result["clean_matrix"]["false_positives"] or result["clean_matrix"]["local_verdict"][
-        "false_positives"] else 0
+    # The figure this bench exists for: no clean check of any family may fail, by default, with the
+    # local verdict a recipe may ask for, or traced in stats mode.
+    cm = result["clean_matrix"]
+    return 1 if (cm["false_positives"] or cm["local_verdict"]["false_positives"]
+                 or cm["stats_mode"]["false_positives"]) else 0
 
 
 def _counts(verdicts: list[dict]) -> dict[str, int]:
@@ -564,6 +588,19 @@ def local_summary(verdicts: list[dict]) -> dict[str, Any]:
         if along and abs(along["local_scale"]) > best["max_scale"]:
             best["max_scale"], best["scale_at"] = abs(along["local_scale"]), f"{where} {along['name']}"
     return out
+
+
+def stats_summary(verdicts: list[dict], policy: TolerancePolicy) -> dict[str, Any]:
+    """Stats mode on the clean matrix: its false positives, and its largest statistic over tolerance
+    per precision (k_stats_draws was chosen on seed 11 of gpt_tiny and llama_tiny, tp2 and tp2_sp)."""
+    worst: dict[str, dict[str, Any]] = {}
+    for v in verdicts:
+        w, prec = v["stats_mode"]["worst"], v["precision"]
+        if w["ratio"] >= worst.get(prec, {"ratio": -1.0})["ratio"]:
+            worst[prec] = {**w, "at": f"{v['family']} {v['parallel']} seed {v['seed']}"}
+    return {"k": policy.k, "k_stats_draws": policy.k_stats_draws, "checks": len(verdicts),
+            "false_positives": sum(v["stats_mode"]["verdict"] != "pass" for v in verdicts),
+            "worst": worst}
 
 
 def headroom(rows: list[dict], precs: tuple[str, ...]) -> dict[str, Any]:
@@ -653,6 +690,16 @@ def print_tables(res: dict) -> None:
             if v.get("local") and not v["local"]["ok"]:
                 print(f"  local FP {v['family']} {v['precision']} {v['parallel']}: {v['local']['failed']} "
                       f"tensors; worst {v['local']['worst']}, along itself {v['local']['worst_scale']}")
+    sm = cm.get("stats_mode")
+    if sm:
+        worst = ", ".join(f"{p} {w['ratio']:.2f} ({w['at']}: {w.get('stat')} of {w.get('name')})"
+                          for p, w in sm["worst"].items())
+        print(f"stats mode (k={sm['k']:g}, under GEMM draws {sm['k_stats_draws']:g}): {sm['checks']} checks, "
+              f"false positives: {sm['false_positives']}; largest statistic over its tolerance: {worst}")
+        for v in cm["verdicts"]:
+            if v["stats_mode"]["verdict"] != "pass":
+                print(f"  stats FP {v['family']} {v['precision']} seed={v['seed']} {v['parallel']}: "
+                      f"{v['stats_mode']['first_divergence']}")
     print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
     for prec, c in res["calibration"]["ratios"].items():
         n, e = c["norm_ratio_all"], c["elem_ratio_all"]
