@@ -11,8 +11,9 @@ smallest corruption each method detects. Writes bench/tolerance.json and prints 
 3. Clean matrix (seeds `--seeds`, held out from the calibration; every family): verdicts under the
    chosen policy (must be 0 false positives: the bench exits 1 on any), also for Megatron's fixed
    bound and torch.testing.assert_close; false positives per family and in total. Each check is also
-   judged as `trace.mode=stats` judges it (`stats_verdict`: its statistics computed from the full
-   traces), whose false positives exit 1 too.
+   judged as `trace.mode=stats` judges it (`stats_verdict`), whose false positives exit 1 too: on the
+   statistics of its full traces, or where the full check replays the reference (dense bf16, MoE
+   bf16), which a stats-mode check cannot, on stats-mode runs of its own (`stats-*`).
 4. Corruption study on saved traces (gpt_tiny): candidate tensors corrupted in memory, (a) a uniform scale
    error (1+delta) on one layer's grad, (b) one element of one TP shard times (1+delta); the
    smallest delta each method detects. In bf16 and fp8 also the local verdict (tolerance.local,
@@ -41,7 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator import cluster, recipe, routing  # noqa: E402
+from orchestrator import cluster, grad_signs, recipe, routing  # noqa: E402
 from tracer.compare import compare, rounding_draws  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 from tracer.local_verdict import (  # noqa: E402
@@ -146,6 +147,13 @@ def run_matrix(store: Path, combos: list[tuple[str, str, int, tuple[str, ...]]],
                 wrec = recipe.compose(base + ["tracking.enabled=false", "tolerance.perturbation=weights"])
                 runs += [(f"perturbed-weights-{i}", dict(parallel=single, role="perturbed",
                                                          perturb=i + 1, _rec=wrec), 1) for i in range(R)]
+            if replays(base, parallels):   # stats mode's verdicts need runs of their own (stats_traces)
+                srec = recipe.compose(base + ["tracking.enabled=false", "trace.mode=stats"])
+                runs += [("stats-reference", dict(parallel=single, role="reference", _rec=srec), 1)]
+                runs += [(f"stats-perturbed-{i}", dict(parallel=single, role="perturbed", perturb=i + 1,
+                                                       _rec=srec), 1) for i in range(R)]
+                runs += [(f"stats-cand-{par}", dict(parallel=recipe.compose(base + [f"parallel={par}"])[
+                    "parallel"], role="candidate", _rec=srec), _world(par)) for par in parallels]
             for par in parallels:
                 prec_rec = recipe.compose(base + [f"parallel={par}"])
                 world = int(prec_rec["parallel"]["world_size"])
@@ -218,12 +226,40 @@ def tensor_stats(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Tolera
     return out
 
 
-def stats_verdict(ref: Any, pert: list[Any], cand: Any, policy: TolerancePolicy) -> dict[str, Any]:
-    """The check's verdict had every run traced with `trace.mode=stats` (tracer/stats_compare.py): the
-    same judge, on the statistics a stats-mode trace records, here computed from the full traces'
-    reassembled tensors (equal up to the float64 summation order; docs/stats_mode.md), and the
-    largest statistic over its tolerance."""
-    comp = compare_stats(ref, cand, pert, policy, rounding_draws(pert))
+def replays(base: list[str], parallels: tuple[str, ...]) -> bool:
+    """Does a full-mode check of this (family, precision, seed) replay the reference (grad signs: dense
+    bf16; routing: MoE bf16/fp8) in its perturbed runs or a candidate? A stats-mode check cannot (the
+    reference keeps no values to replay), so it trains differently from the full traces."""
+    recs = [recipe.compose(base + [f"parallel={p}"]) for p in ("single", *parallels)]
+    return any(grad_signs.replay(r) or routing.replay(r) for r in recs)
+
+
+def stats_traces(url: str, R: int, par: str, full: tuple[Any, list[Any], Any],
+                 own: bool) -> tuple[Any, list[Any], Any] | None:
+    """The runs a stats-mode check of `par` would judge: with `own` (the full check replays: `replays`)
+    stats-mode runs of its own (None when they are not complete), else the full traces, whose
+    statistics are what stats mode records (up to the order of float64 sums: equal to every digit on
+    moe_tiny fp32 ep2_tp2 and gpt_tiny fp8 tp2, seed 8, against real stats-mode checks)."""
+    if not own:
+        return full
+    runs = ["stats-reference", *(f"stats-perturbed-{i}" for i in range(R))]
+    if not (all(_complete(url, r, 1) for r in runs) and _complete(url, f"stats-cand-{par}", _world(par))):
+        return None
+    return (load_logical(url, runs[0], 1), [load_logical(url, r, 1) for r in runs[1:]],
+            load_logical(url, f"stats-cand-{par}", _world(par)))
+
+
+def stats_verdict(runs: tuple[Any, list[Any], Any] | None, policy: TolerancePolicy) -> dict[str, Any]:
+    """The check's verdict had every run traced with `trace.mode=stats` (tracer/stats_compare.py;
+    `runs`: `stats_traces`), and the largest statistic over its tolerance. An error (a run that cannot
+    be judged) counts as a failure."""
+    if runs is None:
+        return {"verdict": "not run", "worst": {"ratio": 0.0}, "first_divergence": None}
+    ref, pert, cand = runs
+    try:
+        comp = compare_stats(ref, cand, pert, policy, rounding_draws(pert))
+    except TraceError as e:
+        return {"verdict": "error", "worst": {"ratio": math.inf}, "first_divergence": str(e)[:300]}
     worst = {"ratio": 0.0}
     for res in comp.results:
         for stat, err, tol in zip(STATS, (res.rel_err, res.max_err, res.scale_err),
@@ -480,6 +516,7 @@ def main() -> int:
             print(f"bench: skipping {fam} {prec} seed {seed}: references incomplete", flush=True)
             continue
         ref, pert, cands = load_combo(url, R, parallels)
+        own_stats = replays([f"model={fam}", f"precision={prec}", f"seed={seed}"], parallels)
         missing = [p for p in parallels if p not in cands]
         if missing:   # --no-run on a partial store: say what is not counted
             print(f"bench: {fam} {prec} seed {seed}: no complete trace of {', '.join(missing)}", flush=True)
@@ -506,7 +543,9 @@ def main() -> int:
                                                    if s["kind"] == "param_grad"),
                     "assert_close_fp": sum(s["assert_close_fail"] for s in stats),
                     "local": local_verdict(ref, url, par, prec) if prec in LOCAL_PRECISIONS else None,
-                    "stats_mode": stats_verdict(ref, pert, cand, policy)})
+                    "stats_mode": dict(stats_verdict(stats_traces(url, R, par, (ref, pert, cand), own_stats),
+                                                     policy),
+                                       runs="stats-mode runs" if own_stats else "full traces")})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
             studies += corruption(ref, pert, cands["tp2"], prec, policy)
             # the method before the scale band (2026-11-26), before the joint rule (2026-11-25), and
@@ -599,7 +638,9 @@ def stats_summary(verdicts: list[dict], policy: TolerancePolicy) -> dict[str, An
         if w["ratio"] >= worst.get(prec, {"ratio": -1.0})["ratio"]:
             worst[prec] = {**w, "at": f"{v['family']} {v['parallel']} seed {v['seed']}"}
     return {"k": policy.k, "k_stats_draws": policy.k_stats_draws, "checks": len(verdicts),
-            "false_positives": sum(v["stats_mode"]["verdict"] != "pass" for v in verdicts),
+            "false_positives": sum(v["stats_mode"]["verdict"] in ("fail", "error") for v in verdicts),
+            "not_run": sum(v["stats_mode"]["verdict"] == "not run" for v in verdicts),
+            "on_stats_mode_runs": sum(v["stats_mode"]["runs"] == "stats-mode runs" for v in verdicts),
             "worst": worst}
 
 
@@ -694,10 +735,12 @@ def print_tables(res: dict) -> None:
     if sm:
         worst = ", ".join(f"{p} {w['ratio']:.2f} ({w['at']}: {w.get('stat')} of {w.get('name')})"
                           for p, w in sm["worst"].items())
-        print(f"stats mode (k={sm['k']:g}, under GEMM draws {sm['k_stats_draws']:g}): {sm['checks']} checks, "
-              f"false positives: {sm['false_positives']}; largest statistic over its tolerance: {worst}")
+        print(f"stats mode (k={sm['k']:g}, under GEMM draws {sm['k_stats_draws']:g}): {sm['checks']} checks "
+              f"({sm['on_stats_mode_runs']} on stats-mode runs of their own, the others on the full traces; "
+              f"{sm['not_run']} not judged: their stats-mode runs are missing), false positives: "
+              f"{sm['false_positives']}; largest statistic over its tolerance: {worst}")
         for v in cm["verdicts"]:
-            if v["stats_mode"]["verdict"] != "pass":
+            if v["stats_mode"]["verdict"] in ("fail", "error"):
                 print(f"  stats FP {v['family']} {v['precision']} seed={v['seed']} {v['parallel']}: "
                       f"{v['stats_mode']['first_divergence']}")
     print("\ncalibration (honest error / perturbation noise, max over tensors; median):")
