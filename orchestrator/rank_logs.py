@@ -63,18 +63,55 @@ class RankLog:
 def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Iterator[RankLog]:
     """The rank's log file; `here` is this process's Ray node (asked of Ray when not given). A log
     that cannot go to the check directory (no directory set, or another node) is a temporary file,
-    removed on exit: its text has travelled back in the rank's result by then (`RankLog.where`)."""
+    removed on exit: its text has travelled back in the rank's result by then (`RankLog.where`). Those
+    of ranks killed before they could remove theirs are removed by the next rank that makes one."""
     path = local_path(spec, rank, here or node_id())
     if path is not None:
         rl = RankLog(path, local=True)
     else:
-        rl = RankLog(Path(tempfile.mkdtemp(prefix="ttrace-log-")) / f"rank{rank:05d}.log", local=False)
+        sweep_orphaned_logs()
+        rl = RankLog(Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{_owner()}-")) / f"rank{rank:05d}.log",
+                     local=False)
     try:
         yield rl
     finally:
         rl.file.close()
         if not rl.local:   # until 2026-11-29 never removed: 391 of them in one machine's /tmp
             shutil.rmtree(rl.path.parent, ignore_errors=True)
+
+
+TEMP_PREFIX = "ttrace-log-"
+
+
+def _owner() -> str:
+    """`<pid namespace>.<pid>` of the process that owns a temporary log (only a dead process of this
+    namespace may have its log removed by another); the namespace is 0 where /proc cannot tell."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{ns}.{os.getpid()}"
+
+
+def sweep_orphaned_logs() -> list[Path]:
+    """Remove the temporary logs of ranks that died before removing their own (a rank killed by a
+    signal runs no cleanup: its job stopped, a fault test, the OOM killer); returns what was removed.
+    Their text never travelled back and nobody reads them. Only this user's, of this pid namespace,
+    whose process is gone; logs named before 2026-12-06 (no owner in the name) are left alone."""
+    ns, _, _ = _owner().partition(".")
+    removed = []
+    if ns == "0":
+        return removed
+    for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{ns}.*-*"):
+        pid = d.name[len(TEMP_PREFIX) + len(ns) + 1:].partition("-")[0]
+        try:
+            mine = d.stat().st_uid == os.getuid()
+        except OSError:   # removed meanwhile
+            continue
+        if pid.isdigit() and mine and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
 
 
 def local_path(spec: Mapping[str, Any], rank: int, here: str | None) -> Path | None:
