@@ -49,6 +49,7 @@ from orchestrator.check import run_checks  # noqa: E402
 from orchestrator.nightly import located  # noqa: E402
 from orchestrator.scan import run_scan  # noqa: E402
 from tracer.errors import TTraceError  # noqa: E402
+from tracer.stats_compare import over_tolerance  # noqa: E402
 from workloads.bugs import CATALOG  # noqa: E402
 
 COMMON = ["tracking.enabled=false"]
@@ -188,14 +189,7 @@ def _curve_trigger(name: str) -> list[str]:
 
 def worst_over_tolerance(report: dict[str, Any]) -> float:
     """A stats-mode report's largest statistic over its tolerance (norm, largest magnitude, sum)."""
-    worst = 0.0
-    for t in report.get("tensors", []):
-        for err, tol in (("rel_err", "tolerance"), ("max_err", "max_tolerance"),
-                         ("scale_err", "scale_tolerance")):
-            e, bound = t.get(err), t.get(tol)
-            if isinstance(e, (int, float)) and isinstance(bound, (int, float)) and e and bound > 0:
-                worst = max(worst, abs(e) / bound)
-    return worst
+    return max((over_tolerance(t)[0] for t in report.get("tensors", [])), default=0.0)
 
 
 def _stats_fields(name: str, res: Any, clean: Any) -> dict[str, Any]:

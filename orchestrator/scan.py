@@ -244,7 +244,7 @@ def scan_section(j: ScanJudgement, start: int, stored: dict[str, int]) -> dict[s
     at that step next to the perturbed runs' spread, and a summary of every step."""
     first = next((s for s in j.steps if s.step == j.first_step), None)
     return {"first_step": j.first_step, "flagged_by": None if first is None else "fingerprints",
-            "start_step": start, "steps_scanned": len(j.steps),
+            "start_step": start, "steps_scanned": len(j.steps), "band_k": j.k,
             "tensors": [] if first is None else first.failing,
             "loss_gap_at_first_step": _loss_gap(j, j.first_step),
             "worst_step": j.worst_step, **stored, "steps": [s.to_json() for s in j.steps]}

@@ -166,7 +166,7 @@ class Tolerance:
     k_joint: float = 2.0             #   and rowcol_err past k_joint x its noise (k_own 0: off)
     k_band: float = 8.0              # scale band, GEMM rounding draws: k_band x the runs' projections'
     band_floor: float = 0.25         #   spread, at least band_floor x the norm-wise noise (0: off)
-    k_stats_draws: float = 24.0      # trace.mode=stats under GEMM rounding draws: its k (not k's 4)
+    k_stats: float = 24.0            # trace.mode=stats: every statistic's k; a scan's within its look-ahead
     local: str = "auto"              # auto (bf16/fp8 built-in) | on | off: the local verdict (isolation pass)
     k_local: float = 6.0             # its tolerance on an element, in the module's own noise
     depth_c: float = 1.03

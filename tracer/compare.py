@@ -132,7 +132,7 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
                              "the runs use different precision recipes; compare runs of the same recipe")
 
     if any(t.mode == "stats" for t in (reference, candidate, *perturbed)):   # trace.mode=stats
-        return compare_stats(reference, candidate, perturbed, policy, rounding_draws(perturbed))
+        return compare_stats(reference, candidate, perturbed, policy)
 
     # Adam's update is ~lr * sign(m): a parameter element whose gradient is within noise of zero
     # (as measured on this or an earlier step's param_grad) may step either way under any honest

@@ -19,6 +19,10 @@ clean 1000-step scan at 287 steps. So the band at step s (calibrated on seeds 12
 - scales each error by the larger of the two compared runs (Band.symmetric): after decorrelation a
   gradient spike comes at a random step in each run, and against a quiet reference it is a 1000x
   error; against the larger it is at most 1 (sum: 2). Near the reference the two scales agree.
+- is judged at k (tolerance.k) once a scan is longer than AHEAD steps; a shorter scan's band holds
+  at most its own few steps, a sample no larger than a stats check's, and is judged at k_stats as a
+  stats check is (gpt_tiny tp2_cp2 seed 14: a clean 2-step scan flagged a bias grad's norm at 1.15 of
+  its band at k; 40 steps: 0.21 at k; docs/stats_mode.md "Tolerances").
 The band is made of the perturbed runs only: a candidate's bug never widens it. Once it has grown, a
 bug acting later must move a statistic beyond anything honest runs did to be seen.
 Memory: the summaries (a few numbers per step and module), each family's noise so far, and AHEAD + 1
@@ -29,14 +33,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from typing import Any
 
 from tracer.errors import TraceError
 from tracer.fingerprint_read import step_of
 from tracer.logical import LogicalTrace
-from tracer.stats_compare import Band, band, judge, logical_stats
+from tracer.stats_compare import Band, band, judge, logical_stats, over_tolerance
 from tracer.tolerance import TolerancePolicy
 from tracer.verdicts import Comparison, TensorResult
 
@@ -48,8 +52,7 @@ BEYOND = 1e9   # err/tol reported for a tensor that failed for another reason (r
 def over_band(r: TensorResult) -> float:
     """How far a tensor is from its band's edge: the largest statistic's error over its tolerance
     (norm, max-abs, sum); BEYOND for a failure that is no statistic's (replicas differ, inf/nan)."""
-    pairs = ((r.rel_err, r.tolerance), (r.max_err, r.max_tolerance), (r.scale_err, r.scale_tolerance))
-    worst = max((e / t if t > 0 else (0.0 if e == 0 else BEYOND)) for e, t in pairs if math.isfinite(t))
+    worst = over_tolerance(vars(r))[0]
     if not math.isfinite(worst) or (not r.ok and worst <= 1.0):
         return BEYOND
     return min(worst, BEYOND)
@@ -82,6 +85,7 @@ class ScanJudgement:
     worst_step: int | None = None          # global step of the largest over_band (a clean scan's report)
     worst: Comparison | None = None
     worst_value: float = -1.0              # its over_band
+    k: float = 0.0                         # the k the bands were judged at (tolerance.k, or k_stats)
 
     @property
     def verdict(self) -> str:
@@ -158,6 +162,9 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
         while len(pending) > ahead:
             _judge_one(out, *pending.popleft(), held, recent, window, policy, start)
         index += 1
+    if index <= ahead:   # every step's band holds the whole scan, no more than a stats check's (module doc)
+        policy = replace(policy, k=policy.k_stats)
+    out.k = policy.k
     while pending:
         _judge_one(out, *pending.popleft(), held, recent, window, policy, start)
     return out

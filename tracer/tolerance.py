@@ -232,7 +232,7 @@ class TolerancePolicy:
     # band_floor x the norm-wise noise (docs/tolerance.md "The scale band"); k_band = 0 turns it off.
     k_band: float = 8.0
     band_floor: float = 0.25
-    k_stats_draws: float = 24.0   # trace.mode=stats under GEMM rounding draws: its k (docs/stats_mode.md)
+    k_stats: float = 24.0   # stats mode's k, any precision; a short scan's (docs/stats_mode.md)
     # Replicas (the same logical tensor on several ranks): "exact" (the default) requires bitwise
     # agreement, as the same kernels on the same inputs give; "tolerance" judges their distance
     # against the norm-wise tolerance, for recipes with nondeterministic kernels.

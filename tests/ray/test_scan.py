@@ -38,6 +38,7 @@ def test_a_clean_scan_passes_every_step_and_logs_them_to_mlflow(ray_cluster, wor
     assert s["first_steps"]["verdict"] == "pass" and s["first_steps"]["steps"] == [0, 1], s["first_steps"]
     assert s["flagged_by"] is None and "checked in full: pass" in s["line"]
     assert all(0 < x["worst"] <= 1 for x in s["steps"][1:])                 # inside the band, not trivially
+    assert s["band_k"] == 24.0   # shorter than its look-ahead: judged at k_stats (tracer/scan_judge.py)
     assert set(s["steps"][1]["kinds"]) == {"param_grad", "param", "loss"}   # the per-step kinds only
     assert 0 < s["fingerprint_bytes"] < s["store_bytes"]
     assert 'data-panel="fingerprint error' in (res.report_path.parent / "report.html").read_text()
@@ -93,8 +94,9 @@ def test_a_bf16_scan_holds_its_initial_parameters_to_the_floor_and_passes(ray_cl
     their initial parameters (step -1) are the reference's. That step's band is zero (the candidate's
     initial parameters are held to the floor), and every later step must have moved (before this, a
     bf16 or fp8 scan always ended in 'the perturbation did not apply'). R = 3 perturbed runs, the
-    default: with 2 (3 pairs of honest runs make the band) a Zen 4 EPYC flags step 1's
-    layers.0.attn.proj weight grad at 1.24 of its band; with 3 (6 pairs) it is at 0.64."""
+    default: with 2 (3 pairs of honest runs make the band) a Zen 4 EPYC flagged step 1's
+    layers.0.attn.proj weight grad at 1.24 of its band at k = 4; with 3 (6 pairs) it was at 0.64. A
+    scan this short has been judged at k_stats (24) since 2026-12-06 (tracer/scan_judge.py)."""
     res = scan(workdir, "bf16", "steps=2", "precision=bf16", "parallel=tp2", "tracking.enabled=false",
                "scan.full_steps=0", "tolerance.perturbations=3")   # the fingerprints alone
     assert res.verdict == "pass" and res.exit_code == 0, res.message or res.report["scan"]["line"]
@@ -110,8 +112,9 @@ def test_an_fp8_scan_checks_its_first_steps_in_full_where_fingerprints_miss_the_
     """FP8 amax not reduced over TP (each weight shard quantized with its own scale) moves the grads and
     params about as much as fp8's own noise; at step 0 its effect is in the activations, which the
     fingerprints do not log, and they never flag step 0 (scan.full_steps=0). On the 4-layer model
-    they pass it on one EPYC and flag step 1 on a Zen 4 one (on 2 or 3 layers, at 1.6-1.8x a bias
-    grad's band). By default the scan names the first FP8 GEMM's output at step 0 either way: where
+    they passed it on one EPYC and flagged step 1 on a Zen 4 one at k = 4 (on 2 or 3 layers, at
+    1.6-1.8x a bias grad's band); a scan this short is judged at k_stats (24) since 2026-12-06, and
+    they pass. By default the scan names the first FP8 GEMM's output at step 0 either way: where
     the fingerprints passed, by checking its first steps in full; where they flagged step 1, by its
     rerun of steps [0, 1] (the first steps are not checked twice)."""
     common = ("parallel=tp2", "precision=fp8", "tolerance.perturbations=2",

@@ -182,6 +182,24 @@ def test_the_band_never_narrows_a_deviation_honest_runs_showed_earlier_is_in_it(
         assert out.first_step == 3 and out.steps[3].worst > 10           # 3E against 4 x 0.02E
 
 
+@pytest.mark.parametrize("ahead", [32, 4])
+def test_a_scan_no_longer_than_its_look_ahead_is_judged_at_k_stats(tmp_path, ahead):
+    """5 steps looking 32 ahead: every step's band holds those 5 steps alone, a sample no larger than a
+    stats check's, and is judged at k_stats (24) as a stats check is (a clean 2-step scan had flagged
+    a bias grad's norm at 1.15 of its band at k). Looking 4 ahead the same bands, longer than the
+    look-ahead, are judged at k (4). The candidate's 3E at step 3 against a band of 1.01E."""
+    write_scaled(tmp_path, "reference", {})
+    write_scaled(tmp_path, "perturbed-1", {0: 1 + E, **{k: 1 + E / 100 for k in range(1, 5)}})
+    write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
+    write_scaled(tmp_path, "candidate", {3: 1 + 3 * E})
+    runs = lambda name: FingerprintRun(str(tmp_path), name, 1).steps()
+    out = judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
+                      TolerancePolicy(), ahead=ahead)
+    k = 24.0 if ahead == 32 else 4.0
+    assert out.k == k and out.verdict == "pass"
+    assert out.steps[3].worst * k == pytest.approx(3 / 1.01, rel=1e-2)
+
+
 def test_two_perturbed_runs_deviation_joins_the_band(tmp_path):
     """Two perturbed runs on either side of the reference are 2E apart: their pair is a sample of the
     honest deviation too, so the family's noise is 2E, not the reference's E."""
@@ -196,10 +214,11 @@ def test_two_perturbed_runs_deviation_joins_the_band(tmp_path):
     assert pair_noise(b, ref)[(0, "layer.w", "param")][0] == pytest.approx(2 * E, rel=1e-3)
 
 
-@pytest.mark.parametrize("ahead", [32, 0])
+@pytest.mark.parametrize("ahead", [3, 0])
 def test_a_step_band_looks_ahead_at_the_honest_runs(tmp_path, ahead):
     """Honest runs leave the reference at random times: the candidate's 3E at step 1 is in the band
-    when a perturbed run reaches E by step 3 (the default looks 32 steps ahead), out of it without."""
+    when a perturbed run reaches E by step 3 (looking 3 steps ahead; the default looks 32), out of it
+    without. (5 steps, longer than either look-ahead: judged at k.)"""
     write_scaled(tmp_path, "reference", {})
     write_scaled(tmp_path, "perturbed-1", {**{k: 1 + E / 100 for k in range(3)}, 3: 1 + E, 4: 1 + E})
     write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
