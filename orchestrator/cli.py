@@ -64,8 +64,12 @@ def main() -> None:
         _check()
     except SystemExit as e:
         if e.code not in (0, None) and not launcher.completed:
+            from orchestrator.schema import RENAMED
+
+            args = " ".join(sys.argv[1:])
+            renamed = "".join(f"; {k} is now {v}" for k, v in RENAMED.items() if k in args)
             print("ttrace: error: the recipe could not be composed (Hydra's message above says which option "
-                  f"or key); recipes live in {RECIPES}. Exit 2.", file=sys.stderr)
+                  f"or key{renamed}); recipes live in {RECIPES}. Exit 2.", file=sys.stderr)
             sys.exit(2)
         if e.code not in (0, None):
             sys.exit(2)

@@ -227,6 +227,9 @@ def check_section(d: Any, cls: type, prefix: str) -> None:
     _check(d, cls, prefix)
 
 
+RENAMED = {"tolerance.k_stats_draws": "tolerance.k_stats (2026-12-06: every precision, not GEMM draws only)"}
+
+
 def _check(d: Any, cls: type, prefix: str) -> None:
     if not isinstance(d, dict):
         raise ConfigError(f"recipe key '{prefix.rstrip('.')}' must be a section (key: value pairs), "
@@ -235,6 +238,8 @@ def _check(d: Any, cls: type, prefix: str) -> None:
     known = {f.name: f for f in fields(cls)}
     for key, value in d.items():
         where = f"{prefix}{key}"
+        if key not in known and where in RENAMED:
+            raise ConfigError(f"recipe key '{where}' is now {RENAMED[where]}")
         if key not in known:
             close = [k for k in known if k.startswith(str(key)[:2])]
             hint = f" (did you mean {', '.join(prefix + k for k in close)}?)" if close else ""

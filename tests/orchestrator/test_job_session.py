@@ -190,6 +190,17 @@ def test_an_unknown_recipe_key_exits_2_naming_it(tmp_path):
     assert "unknown recipe key 'framework'" in proc.stderr and "PASS" not in proc.stdout
 
 
+def test_a_renamed_recipe_key_is_named_with_its_new_name_when_hydra_refuses_it(tmp_path):
+    """Hydra refuses a key its struct does not hold before ttrace's schema sees it; ttrace's line after
+    Hydra's message then says what a renamed key is called now."""
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "tolerance.k_stats_draws=24",
+                           "tracking.enabled=false"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "could not be composed" in proc.stderr
+    assert "tolerance.k_stats_draws is now tolerance.k_stats" in proc.stderr
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["+model.dropout=0.1"], "unknown recipe key 'model.dropout'"),
     (["steps=two"], "'steps'='two' must be int"),
@@ -200,6 +211,7 @@ def test_an_unknown_recipe_key_exits_2_naming_it(tmp_path):
     (["job=torch_native", "tolerance.perturbation=gemm"], "built-in trainer only"),
     (["tolerance.perturbation=gemms"], "use auto, weights or gemm"),
     (["trace.mode=fast"], "trace.mode='fast': use full"),
+    (["+tolerance.k_stats_draws=24"], "'tolerance.k_stats_draws' is now tolerance.k_stats"),
 ])
 def test_recipes_a_check_would_misread_are_refused(tmp_path, overrides, needle):
     from orchestrator.recipe import compose, validate
