@@ -54,7 +54,8 @@ from tracer.local_verdict import (  # noqa: E402
     summary,
 )
 from tracer.logical import load_logical  # noqa: E402
-from tracer.stats_compare import STATS, compare_stats, stat_ratios  # noqa: E402
+from tracer.stats import of_tensor  # noqa: E402
+from tracer.stats_compare import STATS, band, compare_stats, stat_ratios  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
     compute_roundoff,
@@ -345,6 +346,14 @@ def _detects(c: torch.Tensor, r: torch.Tensor, ps: list[torch.Tensor], dtype: st
             "megatron_fixed": re > megatron, "assert_close": assert_close_fails(c, r, dtype)}
 
 
+def _stats_detects(c: torch.Tensor, b: Any, name: str, judged: TensorResult) -> bool:
+    """Does stats mode flag candidate tensor c: its statistics against the reference's at the
+    tolerances stats mode applied to this tensor (`judged`: the clean candidate's result)."""
+    errs = b.errors(of_tensor(c), b.ref[name], name)
+    return any(e > t for e, t in zip(errs, (judged.tolerance, judged.max_tolerance, judged.scale_tolerance),
+                                     strict=True))
+
+
 def _element(r: torch.Tensor, shard_dim: int) -> tuple[int, ...]:
     """The single-element probe's element: in TP rank 1's shard, of median magnitude there."""
     half = r.shape[shard_dim] // 2
@@ -378,9 +387,10 @@ def _smallest(detected: Any, methods: tuple[str, ...]) -> dict[str, float | None
 
 
 def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: TolerancePolicy,
-               method: str = "default") -> list[dict]:
+               method: str = "default", stats: bool = False) -> list[dict]:
     """Smallest delta detected, per probe: one layer's grads (all of them) x (1 + delta), one
-    activation or activation grad x (1 + delta), one element of one TP shard x (1 + delta)."""
+    activation or activation grad x (1 + delta), one element of one TP shard x (1 + delta). With
+    `stats`, by stats mode too (`_stats_detects`), at k_stats and at k (before 2026-12-06 in fp32)."""
     probes: list[tuple[str, list[str], tuple | None]] = []
     grads = [n for n in ref.order if ref.info[n]["kind"] == "param_grad" and ref.info[n]["step"] == 0
              and n.split("/")[2].startswith(LAYER)]
@@ -391,6 +401,10 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         probes.append(("scale", [name], None))
         probes.append(("element", [name], _element(ref.tensors[name].tensor, shard_dim)))
     judged = {res.name: res for res in compare(ref, cand, pert, policy).results}
+    stats_judged = {
+        k: {res.name: res for res in compare_stats(ref, cand, pert, replace(policy, k_stats=k)).results}
+        for k in ((policy.k_stats, policy.k) if stats else ())}
+    b = band(ref, pert) if stats else None
     out = []
     for mode, names, idx in probes:
 
@@ -406,10 +420,14 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
                 c = c.to(getattr(torch, e["dtype"])).double()   # a corruption the traced dtype can hold
                 one = _detects(c, r, [p.tensors[name].tensor for p in pert], e["dtype"], judged[name],
                                megatron_bound(prec))
+                for label, k in (("stats_mode", policy.k_stats), ("stats_mode_k4", policy.k)):
+                    if k in stats_judged:
+                        one[label] = _stats_detects(c, b, name, stats_judged[k][name])
                 det = {m: det.get(m, False) or d for m, d in one.items()}
             return det
 
-        found = _smallest(detected, ("ttrace", "ttrace_normwise", "megatron_fixed", "assert_close"))
+        methods = ("ttrace", "ttrace_normwise", "megatron_fixed", "assert_close")
+        found = _smallest(detected, methods + (("stats_mode", "stats_mode_k4") if stats else ()))
         out.append({"precision": prec, "method": method, "mode": mode,
                     "tensor": f"{LAYER}* param_grad (step 0)" if mode == "layer_grads" else names[0],
                     "element": list(idx) if idx else None, **found})
@@ -546,7 +564,7 @@ def main() -> int:
                                                      policy),
                                        runs="stats-mode runs" if own_stats else "full traces")})
         if fam == STUDY_FAMILY and seed == seeds[0] and "tp2" in cands:
-            studies += corruption(ref, pert, cands["tp2"], prec, policy)
+            studies += corruption(ref, pert, cands["tp2"], prec, policy, stats=not own_stats)
             # the method before the scale band (2026-11-26), before the joint rule (2026-11-25), and
             # before the row-column metric (2026-11-24), on the same traces
             studies += corruption(ref, pert, cands["tp2"], prec, replace(policy, k_band=0.0),
@@ -757,11 +775,13 @@ def print_tables(res: dict) -> None:
               f"zero-noise tensors' err (ulps) max {c['zero_noise_err_ulps'].get('max', 0):.2f}")
     print("\nsmallest detected corruption delta (- = not detected at delta <= 64):")
     print(f"  {'prec':5s} {'method':28s} {'probe':11s} {'tensor':40s} {'ttrace':>8s} {'normwise':>8s} "
-          f"{'megatron':>8s} {'assert_close':>12s}")
-    for s in res["corruption"]:
+          f"{'megatron':>8s} {'assert_close':>12s} {'stats':>8s} {'stats@k':>8s}")
+    for s in res["corruption"]:   # stats: stats mode at k_stats, and at k (fp32's until 2026-12-06)
         print(f"  {s['precision']:5s} {s['method']:28s} {s['mode']:11s} {s['tensor']:40s} "
               f"{_fmt(s['ttrace']):>8s} {_fmt(s['ttrace_normwise']):>8s} "
-              f"{_fmt(s['megatron_fixed']):>8s} {_fmt(s['assert_close']):>12s}")
+              f"{_fmt(s['megatron_fixed']):>8s} {_fmt(s['assert_close']):>12s} "
+              f"{_fmt(s.get('stats_mode')) if 'stats_mode' in s else '':>8s} "
+              f"{_fmt(s.get('stats_mode_k4')) if 'stats_mode_k4' in s else '':>8s}")
     print("\nexcused fraction of param tensors (clean matrix):")
     for prec, c in res["clean_matrix"]["held_out_ratios"].items():
         e = c.get("excused_fraction_param", {})
