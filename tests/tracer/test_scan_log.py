@@ -165,17 +165,23 @@ def write_scaled(root, run, factors, steps=5):
 E = 1e-4   # a deviation well above the band's floor (16 ulps of fp32)
 
 
-@pytest.mark.parametrize("window", [None, 1])
-def test_the_band_never_narrows_a_deviation_honest_runs_showed_earlier_is_in_it(tmp_path, window):
-    """Honest runs decorrelate and do not recorrelate: a deviation the perturbed runs reached at step 0
-    stays in the band at step 3 (the default); a band of that step alone flags it."""
+def judged_drift(tmp_path, **kw):
+    """5 steps: a perturbed run E off at step 0 only (E/100 later), the other E/100 off throughout, the
+    candidate 3E off at step 3 alone; judged by judge_steps(**kw)."""
     write_scaled(tmp_path, "reference", {})
     write_scaled(tmp_path, "perturbed-1", {0: 1 + E, **{k: 1 + E / 100 for k in range(1, 5)}})
     write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
     write_scaled(tmp_path, "candidate", {3: 1 + 3 * E})
     runs = lambda name: FingerprintRun(str(tmp_path), name, 1).steps()
-    out = judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
-                      TolerancePolicy(), window=window, ahead=0)
+    return judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
+                       TolerancePolicy(), **kw)
+
+
+@pytest.mark.parametrize("window", [None, 1])
+def test_the_band_never_narrows_a_deviation_honest_runs_showed_earlier_is_in_it(tmp_path, window):
+    """Honest runs decorrelate and do not recorrelate: a deviation the perturbed runs reached at step 0
+    stays in the band at step 3 (the default); a band of that step alone flags it."""
+    out = judged_drift(tmp_path, window=window, ahead=0)
     if window is None:
         assert out.verdict == "pass" and 0.5 < out.steps[3].worst <= 1   # 3E against 4 x ~1.01E
     else:
@@ -188,13 +194,7 @@ def test_a_scan_no_longer_than_its_look_ahead_is_judged_at_k_stats(tmp_path, ahe
     stats check's, and is judged at k_stats (24) as a stats check is (a clean 2-step scan had flagged
     a bias grad's norm at 1.15 of its band at k). Looking 4 ahead the same bands, longer than the
     look-ahead, are judged at k (4). The candidate's 3E at step 3 against a band of 1.01E."""
-    write_scaled(tmp_path, "reference", {})
-    write_scaled(tmp_path, "perturbed-1", {0: 1 + E, **{k: 1 + E / 100 for k in range(1, 5)}})
-    write_scaled(tmp_path, "perturbed-2", {k: 1 - E / 100 for k in range(5)})
-    write_scaled(tmp_path, "candidate", {3: 1 + 3 * E})
-    runs = lambda name: FingerprintRun(str(tmp_path), name, 1).steps()
-    out = judge_steps(runs("reference"), runs("candidate"), [runs("perturbed-1"), runs("perturbed-2")],
-                      TolerancePolicy(), ahead=ahead)
+    out = judged_drift(tmp_path, ahead=ahead)
     k = 24.0 if ahead == 32 else 4.0
     assert out.k == k and out.verdict == "pass"
     assert out.steps[3].worst * k == pytest.approx(3 / 1.01, rel=1e-2)
