@@ -484,6 +484,28 @@ def test_stats_mode_judges_each_statistic_at_k_stats_in_any_precision(tmp_path, 
     assert got.verdict == verdict, (res.rel_err, res.tolerance)
 
 
+def test_the_largest_magnitudes_noise_is_at_least_the_norms(tmp_path):
+    """Perturbed runs that move every element but the largest (bf16 rounding of a grad's largest
+    element absorbed every GEMM draw, a clean bf16 check with reference.micro_batch) give the largest
+    magnitude no noise of its own: it is judged at the norm's, not at the floor, where the candidate's
+    honest 1e-3 on that element failed at 1000x."""
+    v = ((torch.arange(64, dtype=torch.float32) + 1) / 64).view(8, 8)
+    v[7, 7] = 2.0   # the argmax, alone
+    top = (torch.tensor([7]), torch.tensor([7]))
+    others = (v * (1 + 1e-3)).index_put_(top, v[top])
+    moved_top = v.clone().index_put_(top, v[top] * (1 + 1e-3))
+    for run, t in (("reference", v), ("perturbed-1", others), ("candidate", moved_top)):
+        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, mode="stats")
+        with tr.step(0):
+            tr.record("proj.weight", "param_grad", t)
+        tr.close()
+    got = compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-1")],
+                  TolerancePolicy())
+    (res,) = got.results
+    assert res.noise > 5e-4 and res.max_noise == res.noise and res.max_err == pytest.approx(1e-3, rel=1e-3)
+    assert got.verdict == "pass", res.reason
+
+
 def test_stats_perturbed_runs_identical_to_the_reference_are_an_error(tmp_path):
     write_run(tmp_path, "reference", mode="stats")
     write_run(tmp_path, "perturbed-0", mode="stats")
