@@ -462,6 +462,19 @@ def test_stats_mode_judges_a_sum_where_the_full_mode_judges_a_projection(tmp_pat
     assert bad.rel_err < bad.tolerance and bad.max_err < bad.max_tolerance   # only its sum is off
 
 
+def one_grad_in_stats_mode(tmp_path, reference, perturbed, candidate, perturbation=None):
+    """One param grad traced in stats mode by a reference, one perturbed run (moved by `perturbation`,
+    as its meta says) and a candidate; their comparison."""
+    for run, t in (("reference", reference), ("perturbed-1", perturbed), ("candidate", candidate)):
+        meta = {"perturbation": perturbation} if perturbation and run == "perturbed-1" else {}
+        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, meta=meta, mode="stats")
+        with tr.step(0):
+            tr.record("proj.weight", "param_grad", t)
+        tr.close()
+    return compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-1")],
+                   TolerancePolicy())
+
+
 @pytest.mark.parametrize(("perturbation", "scale", "verdict"), [
     ("weights", 1e-3, "pass"), ("weights", 3e-3, "fail"), ("gemm", 1e-3, "pass"), ("gemm", 3e-3, "fail")])
 def test_stats_mode_judges_each_statistic_at_k_stats_in_any_precision(tmp_path, perturbation, scale, verdict):
@@ -470,14 +483,7 @@ def test_stats_mode_judges_each_statistic_at_k_stats_in_any_precision(tmp_path, 
     mode judges them at k_stats (24), not k (4), whatever moved the perturbed runs: a grad scaled 10x
     its noise passes, 30x fails."""
     v = ((torch.arange(64, dtype=torch.float32) - 31.5) / 32).view(8, 8)
-    for run, t in (("reference", v), ("perturbed-1", v * (1 + 1e-4)), ("candidate", v * (1 + scale))):
-        meta = {"perturbation": perturbation} if run == "perturbed-1" else {}
-        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, meta=meta, mode="stats")
-        with tr.step(0):
-            tr.record("proj.weight", "param_grad", t)
-        tr.close()
-    got = compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-1")],
-                  TolerancePolicy())
+    got = one_grad_in_stats_mode(tmp_path, v, v * (1 + 1e-4), v * (1 + scale), perturbation)
     (res,) = got.results
     assert res.tolerance == pytest.approx(24 * res.noise)
     assert res.max_tolerance == pytest.approx(24 * res.max_noise)
@@ -493,14 +499,7 @@ def test_the_largest_magnitudes_noise_is_at_least_the_norms(tmp_path):
     v[7, 7] = 2.0   # the argmax, alone
     top = (torch.tensor([7]), torch.tensor([7]))
     others = (v * (1 + 1e-3)).index_put_(top, v[top])
-    moved_top = v.clone().index_put_(top, v[top] * (1 + 1e-3))
-    for run, t in (("reference", v), ("perturbed-1", others), ("candidate", moved_top)):
-        tr = Tracer(str(tmp_path), run, 0, coords={}, sizes={}, mode="stats")
-        with tr.step(0):
-            tr.record("proj.weight", "param_grad", t)
-        tr.close()
-    got = compare(load(tmp_path, "reference"), load(tmp_path, "candidate"), [load(tmp_path, "perturbed-1")],
-                  TolerancePolicy())
+    got = one_grad_in_stats_mode(tmp_path, v, others, v.clone().index_put_(top, v[top] * (1 + 1e-3)))
     (res,) = got.results
     assert res.noise > 5e-4 and res.max_noise == res.noise and res.max_err == pytest.approx(1e-3, rel=1e-3)
     assert got.verdict == "pass", res.reason
