@@ -55,7 +55,8 @@ from tracer.local_verdict import (  # noqa: E402
 )
 from tracer.logical import load_logical  # noqa: E402
 from tracer.stats import of_tensor  # noqa: E402
-from tracer.stats_compare import STATS, band, compare_stats, stat_ratios  # noqa: E402
+from tracer.stats_compare import STAT_FIELDS, STATS, band, compare_stats, stat_ratios  # noqa: E402
+from tracer.stats_compare import judge as judge_stats  # noqa: E402
 from tracer.tolerance import (  # noqa: E402
     TolerancePolicy,
     compute_roundoff,
@@ -350,8 +351,7 @@ def _stats_detects(c: torch.Tensor, b: Any, name: str, judged: TensorResult) -> 
     """Does stats mode flag candidate tensor c: its statistics against the reference's at the
     tolerances stats mode applied to this tensor (`judged`: the clean candidate's result)."""
     errs = b.errors(of_tensor(c), b.ref[name], name)
-    return any(e > t for e, t in zip(errs, (judged.tolerance, judged.max_tolerance, judged.scale_tolerance),
-                                     strict=True))
+    return any(e > getattr(judged, tol) for e, (_, tol) in zip(errs, STAT_FIELDS, strict=True))
 
 
 def _element(r: torch.Tensor, shard_dim: int) -> tuple[int, ...]:
@@ -401,10 +401,9 @@ def corruption(ref: Any, pert: list[Any], cand: Any, prec: str, policy: Toleranc
         probes.append(("scale", [name], None))
         probes.append(("element", [name], _element(ref.tensors[name].tensor, shard_dim)))
     judged = {res.name: res for res in compare(ref, cand, pert, policy).results}
-    stats_judged = {
-        k: {res.name: res for res in compare_stats(ref, cand, pert, replace(policy, k_stats=k)).results}
-        for k in ((policy.k_stats, policy.k) if stats else ())}
-    b = band(ref, pert) if stats else None
+    b = band(ref, pert) if stats else None   # what compare_stats judges against, made once for both k
+    stats_judged = {k: {res.name: res for res in judge_stats(ref, cand, b, replace(policy, k=k)).results}
+                    for k in ((policy.k_stats, policy.k) if stats else ())}
     out = []
     for mode, names, idx in probes:
 

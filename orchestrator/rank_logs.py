@@ -83,14 +83,18 @@ def rank_log(spec: Mapping[str, Any], rank: int, here: str | None = None) -> Ite
 TEMP_PREFIX = "ttrace-log-"
 
 
-def _owner() -> str:
-    """`<pid namespace>.<pid>` of the process that owns a temporary log (only a dead process of this
-    namespace may have its log removed by another); the namespace is 0 where /proc cannot tell."""
+def _pid_namespace() -> int:
+    """This process's pid namespace (only a dead process of this namespace may have its temporary log
+    removed by another); 0 where /proc cannot tell."""
     try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        ns = 0
-    return f"{ns}.{os.getpid()}"
+        return 0
+
+
+def _owner() -> str:
+    """`<pid namespace>.<pid>`: the owner a temporary log is named after."""
+    return f"{_pid_namespace()}.{os.getpid()}"
 
 
 def sweep_orphaned_logs() -> list[Path]:
@@ -98,8 +102,8 @@ def sweep_orphaned_logs() -> list[Path]:
     signal runs no cleanup: its job stopped, a fault test, the OOM killer); returns what was removed.
     Their text never travelled back and nobody reads them. Only this user's, of this pid namespace,
     whose process is gone; logs named before 2026-12-06 (no owner in the name) are left alone."""
-    ns, _, _ = _owner().partition(".")
-    removed = []
+    ns = str(_pid_namespace())
+    removed: list[Path] = []
     if ns == "0":
         return removed
     for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}{ns}.*-*"):
