@@ -15,6 +15,12 @@ before; the update no longer amplifies noise into a discrete move.
 MoE models in fp8), traced in full: the perturbed references and candidate then start after the
 reference (orchestrator/routing.order_jobs). Dense bf16 joined after a false positive on an Intel
 Xeon (a `mlp.down.bias` update flipped, moving a column of the next step's output by 75% of its rms).
+The Hugging Face and PyTorch-native jobs stay out (measured 2026-12-06, when the DTensor tracer
+learned to replay): a grad not reduced yet (a `Partial` DTensor grad) keeps its own signs in the
+candidate while the one-device perturbed runs replay the same parameter, so replay is lopsided there.
+Clean bf16 checks on seeds never looked at failed under it and passed without (`job=hf tp2` seed 41:
+the tied embedding's step-1 output, 1.2x; `job=torch_native tp2_sp` seed 43: a replicated K
+projection's step-1 output, elementwise 7.7 against 6.3).
 Dense fp8 stays out: its honest grads are ~10% off element by element, so its step-1 updates differ
 in size, not only sign, and the perturbed runs' own flips are what keep their post-step envelope
 wide enough (with replay, 5 of 11 gpt_tiny fp8 checks failed on seed 27; without, 0). fp32 replays

@@ -39,7 +39,12 @@ class GradSigns:
         self.elements = 0  # elements seen
 
     def take(self, name: str, layout: Layout, grad: torch.Tensor) -> None:
-        """`name`: the grad's canonical name (step/-/param/param_grad); `grad`: this rank's piece."""
+        """`name`: the grad's canonical name (step/-/param/param_grad); `grad`: this rank's piece. A
+        partial sum's piece (a DTensor grad not reduced yet: torch-native's replicated K/V weights) keeps
+        its own values: the sum's signs say nothing about a summand's, and the reference's value taken
+        into every piece would count it once per piece."""
+        if layout.partial:
+            return
         ref = self.feed.local(name, layout, grad)
         if ref is None:
             raise TraceError(f"grad-sign replay: the reference's '{name}' does not cut to this rank's grad "

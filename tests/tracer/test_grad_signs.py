@@ -13,7 +13,7 @@ from tracer import Tracer
 from tracer.errors import ConfigError, TraceError
 from tracer.grad_signs import reference_grads, take_reference_signs
 from tracer.job_config import JobConfig
-from tracer.layouts import Shard
+from tracer.layouts import Partial, Shard
 from tracer.logical import load_logical
 from tracer.plan import ModuleLayout
 
@@ -55,6 +55,29 @@ def test_a_replaying_run_updates_with_the_reference_signs_and_traces_its_own_gra
     assert torch.equal(unreplayed.weight.grad, own)
 
 
+def test_a_dtensor_traced_run_takes_the_reference_signs(tmp_path, capfd):
+    """The DTensor tracer (torch-native, Hugging Face, a user's DTensor script) records its param grads
+    itself: it replays too. Until 2026-12-06 it did not, and `tolerance.grad_signs=replay` on such a job
+    took 0 of 0 elements, silently."""
+    from tracer.integrations.dtensor import DTensorTracer
+
+    store = tmp_path / "store"
+    ref_grad = torch.tensor([[1.0, -1e-6, 2.0], [3e-7, -4.0, 0.5]])
+    _run(store, "reference", ref_grad)
+    net = nn.Linear(3, 2)
+    tr = DTensorTracer(str(store), "candidate", 0, meta={"fingerprint": "lin"})
+    tr.attach(net)
+    tr.replay_grad_signs(reference_grads(f"{store}/reference", {}, {}))
+    own = torch.tensor([[0.9, 2e-6, 2.1], [-1e-7, -3.9, 0.0]])
+    net.weight.grad, net.bias.grad = own.clone(), torch.zeros(2)
+    with tr.step(0):
+        tr.record_param_grads(net)
+    tr.close()
+    assert torch.equal(net.weight.grad, torch.tensor([[0.9, -1e-6, 2.1], [3e-7, -3.9, 0.5]]))
+    assert "grad-sign replay: 3 of 8 grad elements took the reference's value" in capfd.readouterr().err
+    assert torch.equal(load_logical(str(store), "candidate", 1).tensors["0/-/weight/param_grad"].tensor, own)
+
+
 def test_a_distributed_optimizers_grad_shards_take_the_reference_signs(tmp_path):
     """ZeRO-1: each DP rank traces the shard of the grad its optimizer steps (layout: the rows this rank
     holds); the shard takes the signs of the same rows of the reference's grad."""
@@ -70,6 +93,23 @@ def test_a_distributed_optimizers_grad_shards_take_the_reference_signs(tmp_path)
         tr.record_param_grad_shards({"weight": (shard, Shard(0, "dp"))})
     tr.close()
     assert torch.equal(shard, ref_grad[1:])
+
+
+def test_a_partial_sums_piece_keeps_its_own_signs(tmp_path):
+    """A grad not reduced yet (a Partial DTensor grad: torch-native's replicated K/V weights) is a
+    summand: the reference's signs are the sum's, and its value taken into each piece would count it
+    once per piece (every clean torch-native tp2_sp bf16 check failed that way, 5 of 5)."""
+    store = tmp_path / "store"
+    _run(store, "reference", torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]]))
+    net = nn.Linear(3, 2)
+    tr = Tracer(str(store), "candidate", 1, coords={"tp": 1}, sizes={"tp": 2}, meta={"fingerprint": "lin"})
+    tr.attach(net, {"": ModuleLayout()})
+    tr.replay_grad_signs(reference_grads(f"{store}/reference", {"tp": 1}, {"tp": 2}))
+    piece = torch.tensor([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]])   # every sign the other way
+    with tr.step(0):
+        tr.record_param_grad_shards({"weight": (piece, Partial("tp"))})
+    tr.close()
+    assert torch.equal(piece, torch.tensor([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]]))
 
 
 def test_a_reference_of_another_shape_is_an_error(tmp_path):
@@ -97,8 +137,11 @@ def test_which_checks_replay_grad_signs():
     assert grad_signs.replay(recipe.compose([*moe, "precision=fp8"]))
     assert not grad_signs.replay(recipe.compose(["precision=fp8"]))
     assert not grad_signs.replay(recipe.compose(["precision=fp32"]))
-    torch_native = ["job=torch_native", "model=llama_tiny"]
-    assert not grad_signs.replay(recipe.compose([*torch_native, "precision=bf16"]))   # a user's job: asked
+    # DTensor jobs (ttrace's and a user's) replay when asked: a Partial grad keeps its own signs there
+    for job in (["job=torch_native", "model=llama_tiny"], ["job=hf", "parallel=tp2"],
+                ["job.entrypoint=mypkg.train:main"]):
+        assert not grad_signs.replay(recipe.compose([*job, "precision=bf16"])), job
+        assert grad_signs.replay(recipe.compose([*job, "precision=bf16", "tolerance.grad_signs=replay"])), job
     assert grad_signs.replay(recipe.compose(["precision=bf16", "tolerance.grad_signs=replay"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "tolerance.grad_signs=own"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "trace.kinds=[output,param]"]))

@@ -163,12 +163,17 @@ class DTensorTracer(Tracer):
         if not self.enabled:
             return
         types = getattr(self, "_types", {})
+        signs = self._signs if kind == "param_grad" else None   # grad-sign replay (Tracer.replay_grad_signs)
         for pname, p in model.named_parameters():
             t = p if kind == "param" else p.grad
             if t is None:
                 continue
-            self.record(self._rename(pname), kind, local_of(t), layout_of(t),
-                        module_type=types.get(pname.rpartition(".")[0], ""))
+            name, local, layout = self._rename(pname), local_of(t), layout_of(t)
+            self.record(name, kind, local, layout, module_type=types.get(pname.rpartition(".")[0], ""))
+            if signs is not None:   # after the record: the traced grad is the run's own
+                signs.take(canonical_name(self._step, None, name, "param_grad"), layout, local)
+        if signs is not None:
+            signs.release()
 
     def _dtensor_hook(self, path: str, module_type: str,
                       declared: tuple[Layout, Layout] | None) -> Callable[..., None]:

@@ -14,6 +14,11 @@ replicated K/V projection fed by a replicated input. Its `replicated_with_grad_a
 the weight grads but not the input grads (measured: the step-1 loss moves by 5e-5 at tp=2 with one
 KV head); that plan is the injected bug `hf_gqa_kv_replicated_plan`.
 
+Precision (`precision=fp32|bf16`): bf16 runs the forward under `torch.autocast`, as Hugging Face's
+Trainer does with `bf16=True` (FP32 parameters, grads and Adam; Linear layers and attention in BF16,
+the rest as the model's code casts it). Perturbed references draw every Linear's rounding
+(`draw_gemms`). Not calibrated: docs/tolerance.md "Known gaps".
+
 Tracing: `tracer.integrations.dtensor.DTensorTracer` (param layouts from DTensor placements) with
 `tracer.integrations.hf.tp_local_layouts` for the outputs transformers hands out as plain local
 tensors (read from the TP styles' own output placements).
@@ -23,17 +28,24 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import types
+import zlib
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
 from workloads.config import Config, parse, recompute_refused
+from workloads.precision import perturbation_of
+from workloads.rounding_draws import perturbed_linear, rounding_draw
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
+PRECISIONS = ("fp32", "bf16")
+AUTOCAST = {"bf16": torch.bfloat16}   # the forward's torch.autocast dtype (fp32: none)
 
 
 def llama_config(cfg: Config) -> Any:
@@ -82,6 +94,24 @@ def load(cfg: Config, directory: str) -> Any:
     return model
 
 
+def draw_gemms(model: Any, run: int) -> None:
+    """A bf16 perturbed reference: every nn.Linear's GEMM result (forward output, input grad) drawn
+    again at its BF16 rounding (workloads/rounding_draws.py), under autocast as the candidate runs it.
+    An input grad reaches the draw as FP32 (autocast's cast of an FP32 input), holding BF16 values: it
+    is drawn in BF16."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            if isinstance(m.weight, DTensor):
+                raise ConfigError("job=hf precision=bf16: GEMM draws for a perturbed reference in a sharded "
+                                  "layout (reference.parallel) are not wired; use the one-device reference")
+            draw = rounding_draw(run, zlib.crc32(name.encode()) % 1_000_003, 0, "bf16")
+            gemm = perturbed_linear(F.linear, lambda t, d=draw: d(t.to(torch.bfloat16)).to(t.dtype))
+            m.forward = types.MethodType(lambda self, x, g=gemm: g(x, self.weight, self.bias), m)
+
+
 # -- adapter contract ------------------------------------------------------------------------------
 def validate(spec: dict) -> None:
     cfg = parse(spec)
@@ -96,7 +126,11 @@ def validate(spec: dict) -> None:
     need(p.world_size == p.tp and p.pp == 1 and p.cp == 1 and p.vpp == 1 and p.ep == 1 and not p.zero1
          and not p.sp, "transformers' own parallelism is wired for tensor parallelism only "
          "(parallel=single or tp2; its sequence parallelism is not implemented upstream)")
-    need(cfg.precision == "fp32", f"precision={cfg.precision}: the Hugging Face recipe runs fp32 only")
+    need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the Hugging Face recipe runs "
+         f"{' or '.join(PRECISIONS)}")
+    need(perturbation_of(spec) == "gemm" or cfg.precision == "fp32",
+         "tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 cast, "
+         "so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
     need(m.heads % p.tp == 0 and m.ffn_hidden % p.tp == 0 and m.vocab % p.tp == 0,
          f"heads, ffn_hidden and vocab must be divisible by tp={p.tp}")
     kv_bug = cfg.bug == "hf_gqa_kv_replicated_plan" and p.tp % m.num_kv_heads == 0
@@ -125,5 +159,9 @@ def main(session: Session | None = None) -> dict[str, Any]:
             model = load(cfg, directory)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-        tr.attach(model, mesh=getattr(model, "_device_mesh", None), local_layouts=tp_local_layouts(model))
-        return {"losses": train(model, job, 0, 1, None)}
+        moves = perturbation_of(job.spec)
+        if tr.role == "perturbed" and moves == "gemm":
+            draw_gemms(model, tr.perturb)
+        tr.attach(model, mesh=getattr(model, "_device_mesh", None), local_layouts=tp_local_layouts(model),
+                  perturb=moves == "weights", meta={"perturbation": moves})
+        return {"losses": train(model, job, 0, 1, None, autocast=AUTOCAST.get(cfg.precision))}

@@ -281,10 +281,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return total
 
 
-def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp_group: Any) -> list[float]:
+def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp_group: Any,
+          autocast: torch.dtype | None = None) -> list[float]:
     """`steps` steps of Adam on this DP rank's microbatches (grad accumulation, loss / local count,
-    DP averaging left to the framework); traced by the job's session. Returns the global mean loss
-    per step."""
+    DP averaging left to the framework); traced by the job's session. `autocast`: the forward runs
+    under torch.autocast to that dtype, as Hugging Face's Trainer runs it (backward outside it).
+    Returns the global mean loss per step."""
     cfg, tracer = job.cfg, job.session
     m_local = cfg.micro_batches_local
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
@@ -298,7 +300,8 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
             optimizer.zero_grad(set_to_none=True)
             losses = []
             for mb in job.microbatches(step, dp_rank, dp_size):
-                with tracer.microbatch(mb.index):
+                with tracer.microbatch(mb.index), torch.autocast(mb.ids.device.type, dtype=autocast,
+                                                                 enabled=autocast is not None):
                     logits = model(mb.ids)
                     logits = getattr(logits, "logits", logits)   # Hugging Face models return an output object
                     loss = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten())
