@@ -19,7 +19,7 @@ The Hugging Face and PyTorch-native jobs stay out (measured 2026-12-06, when the
 learned to replay): a grad not reduced yet (a `Partial` DTensor grad) keeps its own signs in the
 candidate while the one-device perturbed runs replay the same parameter, so replay is lopsided there.
 Clean bf16 checks on seeds never looked at failed under it and passed without (`job=hf tp2` seed 41:
-the tied embedding's step-1 output, 1.2x; `job=torch_native tp2_sp` seed 43: a replicated K
+the tied embedding's step-1 output, up to 1.8x; `job=torch_native tp2_sp` seed 43: a replicated K
 projection's step-1 output, elementwise 7.7 against 6.3).
 Dense fp8 stays out: its honest grads are ~10% off element by element, so its step-1 updates differ
 in size, not only sign, and the perturbed runs' own flips are what keep their post-step envelope

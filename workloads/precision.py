@@ -84,6 +84,15 @@ def perturbation_of(spec: Mapping[str, Any]) -> str:
     return from_spec(spec).perturbation((spec.get("trace") or {}).get("perturbation") or "auto")
 
 
+def weights_refused(spec: Mapping[str, Any]) -> str | None:
+    """Why a job whose BF16 compute casts FP32 weights (torch-native, Hugging Face) refuses weight moves
+    for its perturbed references, or None."""
+    if perturbation_of(spec) == "gemm" or from_spec(spec).name == "fp32":
+        return None
+    return ("tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 "
+            "cast, so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
+
+
 def from_spec(spec: Mapping[str, Any]) -> Precision:
     sec = spec.get("precision") or {}
     p = Precision(name=str(sec.get("name", "fp32")), scaling=str(sec.get("scaling", "current")),

@@ -46,7 +46,7 @@ def results(ray_cluster, tmp_path_factory):
     common = ["job=hf", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
     items = [(compose(["parallel=tp2", "parallel.recompute=full", *common]), work / "clean-tp2"),
-             # bf16 judged on the 3 perturbed runs its tolerance is calibrated on (as torch-native's)
+             # bf16 at the default R = 3, which its clean seeds ran at (docs/tolerance.md "Known gaps")
              (compose(["parallel=tp2", "precision=bf16", *common, "tolerance.perturbations=3"]),
               work / "clean-tp2-bf16")]
     items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]

@@ -40,7 +40,7 @@ from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
 from workloads.config import Config, parse, recompute_refused
-from workloads.precision import perturbation_of
+from workloads.precision import perturbation_of, weights_refused
 from workloads.rounding_draws import perturbed_linear, rounding_draw
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
@@ -128,9 +128,7 @@ def validate(spec: dict) -> None:
          "(parallel=single or tp2; its sequence parallelism is not implemented upstream)")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the Hugging Face recipe runs "
          f"{' or '.join(PRECISIONS)}")
-    need(perturbation_of(spec) == "gemm" or cfg.precision == "fp32",
-         "tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 cast, "
-         "so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
+    need((why := weights_refused(spec)) is None, str(why))
     need(m.heads % p.tp == 0 and m.ffn_hidden % p.tp == 0 and m.vocab % p.tp == 0,
          f"heads, ffn_hidden and vocab must be divisible by tp={p.tp}")
     kv_bug = cfg.bug == "hf_gqa_kv_replicated_plan" and p.tp % m.num_kv_heads == 0

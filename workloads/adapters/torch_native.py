@@ -45,7 +45,7 @@ from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
-from workloads.precision import Precision, bf16_linear, perturbation_of
+from workloads.precision import Precision, bf16_linear, perturbation_of, weights_refused
 from workloads.rounding_draws import perturbed_linear, rounding_draw
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
@@ -337,9 +337,7 @@ def validate(spec: dict) -> None:
     need(not p.sp or p.tp > 1, "sp needs tp > 1")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the torch-native recipe runs "
          f"{' or '.join(PRECISIONS)}")
-    need(perturbation_of(spec) == "gemm" or cfg.precision == "fp32",
-         "tolerance.perturbation=weights: a one-ulp move of an FP32 weight mostly vanishes in its BF16 cast, "
-         "so bf16 perturbed references draw GEMM roundings (tolerance.perturbation=auto or gemm)")
+    need((why := weights_refused(spec)) is None, str(why))
     tp = p.tp
     need(m.heads % tp == 0, f"heads={m.heads} must be divisible by tp={tp}")
     need(m.heads % m.num_kv_heads == 0, f"heads={m.heads} must be a multiple of kv_heads={m.num_kv_heads}")
