@@ -177,7 +177,7 @@ class Tracer:
             name, mtype = self._rename(pname), self._params.get(pname, (Replicate(), ""))[1]
             self.record(name, "param_grad", t, layout, module_type=mtype)
             if self._signs is not None:
-                self._signs.take(canonical_name(self._step, None, name, "param_grad"), layout, t)
+                self._signs.take(self._step, name, layout, t)
         if self._signs is not None:
             self._signs.release()
 
@@ -228,7 +228,7 @@ class Tracer:
                 add((f"{step}/-/{name}/{kind}", module, mtype, kind, step, None, self._seq, lay, 1.0), t)
                 self._seq += 1
             if signs is not None:   # after the record: the traced grad is the run's own
-                signs.take(canonical_name(self._step, None, name, "param_grad"), layout, t)
+                signs.take(self._step, name, layout, t)
         if signs is not None:
             signs.release()
 

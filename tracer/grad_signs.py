@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tracer.collector import canonical_name
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
 from tracer.layouts import Layout
@@ -38,13 +39,14 @@ class GradSigns:
         self.taken = 0     # elements that took the reference's value, over the run
         self.elements = 0  # elements seen
 
-    def take(self, name: str, layout: Layout, grad: torch.Tensor) -> None:
-        """`name`: the grad's canonical name (step/-/param/param_grad); `grad`: this rank's piece. A
+    def take(self, step: int, param: str, layout: Layout, grad: torch.Tensor) -> None:
+        """Param `param`'s grad at `step` (its logical name); `grad`: this rank's piece. A
         partial sum's piece (a DTensor grad not reduced yet: torch-native's replicated K/V weights) keeps
         its own values: the sum's signs say nothing about a summand's, and the reference's value taken
         into every piece would count it once per piece."""
         if layout.partial:
             return
+        name = canonical_name(step, None, param, "param_grad")
         ref = self.feed.local(name, layout, grad)
         if ref is None:
             raise TraceError(f"grad-sign replay: the reference's '{name}' does not cut to this rank's grad "

@@ -4,6 +4,7 @@ Every GEMM's forward output and input grad is drawn again at its final rounding.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -27,6 +28,12 @@ class RoundingDraw:
         if self.flip >= 1:   # every element (no second draw: the fp8 draws of before 2026-11-24)
             return moved
         return torch.where(torch.rand(t.shape, generator=self.gen) < self.flip, moved, t)
+
+
+def module_draw(run: int, module: str, stream: int, precision: str) -> RoundingDraw:
+    """`rounding_draw` of the GEMM of the module named `module`, keyed by its name (a job whose GEMMs
+    are modules: torch-native's, Hugging Face's Linear layers)."""
+    return rounding_draw(run, zlib.crc32(module.encode()) % 1_000_003, stream, precision)
 
 
 def rounding_draw(run: int, key: int, stream: int, precision: str) -> RoundingDraw:

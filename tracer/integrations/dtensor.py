@@ -171,7 +171,7 @@ class DTensorTracer(Tracer):
             name, local, layout = self._rename(pname), local_of(t), layout_of(t)
             self.record(name, kind, local, layout, module_type=types.get(pname.rpartition(".")[0], ""))
             if signs is not None:   # after the record: the traced grad is the run's own
-                signs.take(canonical_name(self._step, None, name, "param_grad"), layout, local)
+                signs.take(self._step, name, layout, local)
         if signs is not None:
             signs.release()
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import types
-import zlib
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from workloads import bugs, harness
 from workloads.adapters.torch_native import train
 from workloads.config import Config, parse, recompute_refused
 from workloads.precision import perturbation_of, weights_refused
-from workloads.rounding_draws import perturbed_linear, rounding_draw
+from workloads.rounding_draws import module_draw, perturbed_linear
 
 KV_REPLICATED = "replicated_with_grad_allreduce"
 PRECISIONS = ("fp32", "bf16")
@@ -107,7 +106,7 @@ def draw_gemms(model: Any, run: int) -> None:
             if isinstance(m.weight, DTensor):
                 raise ConfigError("job=hf precision=bf16: GEMM draws for a perturbed reference in a sharded "
                                   "layout (reference.parallel) are not wired; use the one-device reference")
-            draw = rounding_draw(run, zlib.crc32(name.encode()) % 1_000_003, 0, "bf16")
+            draw = module_draw(run, name, 0, "bf16")
             gemm = perturbed_linear(F.linear, lambda t, d=draw: d(t.to(torch.bfloat16)).to(t.dtype))
             m.forward = types.MethodType(lambda self, x, g=gemm: g(x, self.weight, self.bias), m)
 

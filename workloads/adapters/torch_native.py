@@ -33,7 +33,6 @@ one-ulp move of an FP32 weight mostly vanishes in its BF16 cast.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any
 
 import torch
@@ -46,7 +45,7 @@ from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
 from workloads.precision import Precision, bf16_linear, perturbation_of, weights_refused
-from workloads.rounding_draws import perturbed_linear, rounding_draw
+from workloads.rounding_draws import module_draw, perturbed_linear
 
 SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
 PRECISIONS = ("fp32", "bf16")
@@ -163,8 +162,7 @@ def mixed_precision(model: Transformer, precision: str, draws: int | None, draw_
         if isinstance(m, Linear):
             m.gemm = bf16_linear if compute == torch.bfloat16 else F.linear
             if draws is not None:
-                key = zlib.crc32(name.encode()) % 1_000_003
-                m.gemm = perturbed_linear(m.gemm, rounding_draw(draws, key, draw_stream, precision))
+                m.gemm = perturbed_linear(m.gemm, module_draw(draws, name, draw_stream, precision))
 
 
 # -- parallelization (torch's own APIs) ------------------------------------------------------------
