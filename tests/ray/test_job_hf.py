@@ -88,7 +88,7 @@ def test_bf16_runs_under_autocast_and_its_perturbed_references_draw_gemm_roundin
 
 
 def test_validate_names_what_precision_it_runs():
-    from orchestrator.recipe import compose, job_spec
+    from orchestrator.recipe import compose, job_spec, validate
     from tracer.errors import ConfigError
     from workloads.adapters import hf
 
@@ -100,6 +100,10 @@ def test_validate_names_what_precision_it_runs():
     with pytest.raises(ConfigError, match="BF16 cast"):
         hf.validate(spec("precision=bf16", "tolerance.perturbation=weights"))
     hf.validate(spec("precision=bf16"))
+    # A sharded reference in bf16 is refused before any job starts (its GEMM draws are not wired).
+    with pytest.raises(ConfigError, match=r"reference.parallel=tp2 .*GEMM draws on sharded weights"):
+        validate(compose(["job=hf", "parallel=tp2", "precision=bf16", "reference.parallel=tp2"]))
+    validate(compose(["job=hf", "parallel=tp2", "precision=fp32", "reference.parallel=tp2"]))
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))

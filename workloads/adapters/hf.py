@@ -128,6 +128,10 @@ def validate(spec: dict) -> None:
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the Hugging Face recipe runs "
          f"{' or '.join(PRECISIONS)}")
     need((why := weights_refused(spec)) is None, str(why))
+    role = (spec.get("trace") or {}).get("role")
+    need(not (cfg.precision == "bf16" and role in ("reference", "perturbed") and p.tp > 1),
+         "precision=bf16: the perturbed references' GEMM draws on sharded weights (draw_gemms) are not "
+         "wired; run the reference on one device (reference.parallel=null)")
     need(m.heads % p.tp == 0 and m.ffn_hidden % p.tp == 0 and m.vocab % p.tp == 0,
          f"heads, ffn_hidden and vocab must be divisible by tp={p.tp}")
     kv_bug = cfg.bug == "hf_gqa_kv_replicated_plan" and p.tp % m.num_kv_heads == 0
