@@ -2,7 +2,8 @@
 
 Writes bench/bugs.json and bench/bugs.md (one row per catalog bug):
   detected        the check on the bug's trigger recipe fails (exit 1), and the clean counterpart
-                  (same recipe, bug=none) passes
+                  (same recipe, bug=none; the catalog's `clean` where no honest plan has that
+                  setting) passes
   first divergence / culprit   where the plain comparison / the isolation pass point
   correct module? the culprit (else the first divergence) matches the catalog's `expect` pattern
   blame window    modules the isolation pass could not rule out
@@ -69,9 +70,10 @@ def _checks(bugs: list[str], work: Path, extra: list[str], stats: bool) -> dict[
             rec = recipe.compose([*trig, f"bug={name}", *COMMON, *mode, *extra])
             items.append((rec, work / f"{tag}{name}"))
             labels.append(prefix + name)
-            clean = f"{prefix}clean:" + " ".join(trig)
+            honest = list(CATALOG[name].clean_recipe)
+            clean = f"{prefix}clean:" + " ".join(honest)
             if clean not in labels:
-                rec = recipe.compose([*trig, "bug=none", *COMMON, *mode, *extra])
+                rec = recipe.compose([*honest, "bug=none", *COMMON, *mode, *extra])
                 items.append((rec, work / f"{tag}clean-{len(labels)}"))
                 labels.append(clean)
     results = run_checks(items, base_dir=str(work), progress=True)
@@ -353,12 +355,12 @@ def main() -> int:
     except TTraceError as e:
         print(f"bench-bugs: error: {e}", file=sys.stderr)
         return 2
-    rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].recipe)], losses.get(b),
+    rows = [_row(b, checks[b], checks["clean:" + " ".join(CATALOG[b].clean_recipe)], losses.get(b),
                  args.loss_steps, scans.get(b)) for b in bugs]
     if args.stats:
         for r in rows:
             r.update(_stats_fields(r["bug"], checks["stats:" + r["bug"]],
-                                   checks["stats:clean:" + " ".join(CATALOG[r["bug"]].recipe)]))
+                                   checks["stats:clean:" + " ".join(CATALOG[r["bug"]].clean_recipe)]))
     scanned = [r for r in rows if "scan_steps" in r]
     cleans = [r for k, r in checks.items() if k.startswith("clean:")]
     stats_cleans = [r for k, r in checks.items() if k.startswith("stats:clean:")]

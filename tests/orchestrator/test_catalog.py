@@ -18,3 +18,15 @@ def test_one_bug_in_full_with_the_command_that_runs_it(capsys):
     out = capsys.readouterr().out
     assert "run it:  ttrace parallel=tp2_dp2 bug=dp_grad_not_averaged" in out
     assert main(["no_such_bug"]) == 2
+
+
+def test_every_bug_has_an_honest_counterpart_that_validates():
+    """bench/bugs.py's detection needs the bug's recipe without the bug to pass: it must at least be a
+    valid recipe (job=hf's bug is on one KV head, which transformers cannot split honestly: its
+    counterpart runs two)."""
+    from orchestrator.recipe import compose, validate
+    from workloads.bugs import CATALOG
+
+    for name, bug in CATALOG.items():
+        validate(compose([*bug.clean_recipe, "bug=none", "tracking.enabled=false"]))
+        assert bug.clean_recipe == bug.recipe or bug.clean, name
