@@ -7,20 +7,23 @@ between layouts. One such flip on a bias shifts a whole column of the next step'
 the tokens of that expert, and which elements flip differs from run to run: R perturbed runs cannot
 cover the candidate's flips element by element (the step-1 MoE false alarms of docs/tolerance.md,
 "Grad-sign replay"). Under replay the perturbed references and the candidate take the reference's grad
-where their own has the other sign (or is zero where the reference's is not), after the grads are
+where their own has the other sign (or is zero where the reference's is not, or either is below
+tracer.grad_signs.EPS_BAND, near Adam's eps, where an update's size follows |g|), after the grads are
 traced and before the optimizer reads them. The traced grads are the run's own and judged as
 before; the update no longer amplifies noise into a discrete move.
 
-`auto` replays for the built-in trainer in bf16 (every model family) and where routing replays (its
-MoE models in fp8), traced in full: the perturbed references and candidate then start after the
-reference (orchestrator/routing.order_jobs). Dense bf16 joined after a false positive on an Intel
-Xeon (a `mlp.down.bias` update flipped, moving a column of the next step's output by 75% of its rms).
-The Hugging Face and PyTorch-native jobs stay out (measured 2026-12-06, when the DTensor tracer
-learned to replay): a grad not reduced yet (a `Partial` DTensor grad) keeps its own signs in the
-candidate while the one-device perturbed runs replay the same parameter, so replay is lopsided there.
-Clean bf16 checks on seeds never looked at failed under it and passed without (`job=hf tp2` seed 41:
-the tied embedding's step-1 output, up to 1.8x; `job=torch_native tp2_sp` seed 43: a replicated K
-projection's step-1 output, elementwise 7.7 against 6.3).
+`auto` replays for ttrace's own jobs in bf16 (the built-in trainer, every model family; the
+Hugging Face and PyTorch-native jobs) and where routing replays (the built-in MoE models in fp8),
+traced in full: the perturbed references and candidate then start after the reference
+(orchestrator/routing.order_jobs). Dense bf16 joined after a false positive on an Intel Xeon (a
+`mlp.down.bias` update flipped, moving a column of the next step's output by 75% of its rms). The
+DTensor jobs joined on 2026-12-06, once replay was symmetric there (a `Partial` grad not reduced yet
+takes the reference's value where its sum's sign differs, tracer/grad_signs.py) and covered Adam's
+eps. Without replay clean `job=hf` tp2 checks failed on seeds 3 and 60 (1.41x, 1.00x); under it they
+pass. Held out (seeds 51-60; hf tp2, torch-native tp2_sp and tp2_dp2): 0 false positives in 30 under
+replay, 1 in 30 without. One tuning seed fails under replay and passes without (torch-native tp2_sp
+seed 41: a norm weight's step-1 value at 1.41x, judged on 6 of its 64 elements):
+bench/results/2026-12-06-epyc-2cpu-dtensor-bf16-replay.md.
 Dense fp8 stays out: its honest grads are ~10% off element by element, so its step-1 updates differ
 in size, not only sign, and the perturbed runs' own flips are what keep their post-step envelope
 wide enough (with replay, 5 of 11 gpt_tiny fp8 checks failed on seed 27; without, 0). fp32 replays
@@ -43,7 +46,7 @@ def replay(recipe: dict[str, Any]) -> bool:
     mode = recipe["tolerance"].get("grad_signs", "auto")
     if mode != "auto":
         return mode == "replay"
-    bf16 = recipe["precision"].get("name") == "bf16" and routing.builtin(recipe)
+    bf16 = recipe["precision"].get("name") == "bf16" and routing.own(recipe)
     return (bf16 or routing.replay(recipe)) and routing.traces(recipe.get("trace") or {}, "param_grad")
 
 

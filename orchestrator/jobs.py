@@ -34,6 +34,7 @@ from tracer.errors import ConfigError, JobError
 from tracer.heap import gc_frozen
 
 BUILTIN_ENTRYPOINT = "workloads.train:main"   # the built-in trainer's entrypoint (recipe.job_of)
+OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
 # The child runs this first: it asks the kernel to kill it when the Ray worker that started it dies
 # (its job stopped by removing the placement group, tracer/cluster.py), then execs the program. A

@@ -29,7 +29,6 @@ from workloads import faults
 # Recipe parts that must be identical for a reference to be valid for a candidate.
 REFERENCE_KEYS = ("job", "model", "precision", "data", "optim", "steps", "seed", "bug", "reference", "init")
 KINDS = ("output", "grad_output", "param_grad", "param", "loss")   # what a tracer records (trace.kinds)
-OWN_JOBS = "workloads."   # entrypoints shipped with ttrace: their code is hashed into the cache key
 
 
 def job_of(recipe: dict[str, Any], base_dir: str | None = None) -> dict[str, Any]:
@@ -45,7 +44,7 @@ def job_of(recipe: dict[str, Any], base_dir: str | None = None) -> dict[str, Any
     if not job["entrypoint"] and not job["command"]:
         job["entrypoint"], job["name"] = BUILTIN_ENTRYPOINT, job["name"] or "builtin"
     job["label"] = str(job["name"] or job["command"] or job["entrypoint"])
-    job["own"] = bool(job["entrypoint"]) and str(job["entrypoint"]).startswith(OWN_JOBS)
+    job["own"] = routing.own(recipe)
     if base_dir is not None:
         job["workdir"] = resolve_url(str(job["workdir"] or "."), base_dir) if not job["own"] else None
     job["env"] = {str(k): str(v) for k, v in (job["env"] or {}).items()}

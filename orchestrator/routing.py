@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from orchestrator.jobs import BUILTIN_ENTRYPOINT
+from orchestrator.jobs import BUILTIN_ENTRYPOINT, OWN_JOBS
 from orchestrator.layouts import microbatches_differ
 from tracer.errors import ConfigError
 
@@ -42,6 +42,13 @@ def builtin(recipe: dict[str, Any]) -> bool:
     job.entrypoint set)?"""
     job = recipe.get("job") or {}
     return not job.get("command") and (job.get("entrypoint") or BUILTIN_ENTRYPOINT) == BUILTIN_ENTRYPOINT
+
+
+def own(recipe: dict[str, Any]) -> bool:
+    """Is the check's job one of ttrace's own (recipe.job_of's `own`: the built-in trainer or another
+    entrypoint shipped in workloads/, not job.command)?"""
+    job = recipe.get("job") or {}
+    return not job.get("command") and str(job.get("entrypoint") or BUILTIN_ENTRYPOINT).startswith(OWN_JOBS)
 
 
 def validate(recipe: dict[str, Any]) -> None:

@@ -2,7 +2,12 @@
 reference or the candidate traces its param grads, every element whose sign differs from the
 reference's grad (or that is zero where the reference's is not, or the reverse) takes the reference's
 value, so the optimizer's first update, lr * sign(g), is the reference's wherever rounding alone decided
-the sign. The traced grads are the run's own: a wrong grad is judged where it was made.
+the sign. So does every element whose grad, its own or the reference's, is below EPS_BAND: Adam's update
+lr * g / (|g| + eps) is lr * sign(g) only for |g| well above eps, and below it its size follows |g|,
+which rounding decides there (a clean Hugging Face bf16 check, seed 41: an embedding element with grad
+3e-8 against the reference's 7e-7, both positive, moved 0.75 lr against 0.99 lr, and the next step's
+embedding output failed at 1.24x its tolerance). The traced grads are the run's own: a wrong grad is
+judged where it was made.
 
 At attach (tracer/job.py) a replaying rank opens the reference run (`reference_grads`); the tracer
 (`Tracer.replay_grad_signs`) hands each param grad it records, with its layout, to `GradSigns.take`,
@@ -22,13 +27,21 @@ from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
 from tracer.layouts import Layout
 
+# 100 x Adam's default eps (1e-8, every built-in job's): above it two grads of one sign give first updates
+# within 1% of each other.
+EPS_BAND = 1e-6
 
-def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor) -> int:
-    """In place: the elements of `grad` whose sign differs from `reference`'s take its value. Returns how
-    many did."""
-    differ = torch.sign(grad) != torch.sign(reference)
-    grad[differ] = reference[differ]
-    return int(differ.sum())
+
+def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor, *, own: torch.Tensor | None = None,
+                         value: torch.Tensor | None = None) -> int:
+    """In place: the elements of `grad` whose sign (or that of `own`, the sum `grad` is a piece of)
+    differs from `reference`'s, or where either is below EPS_BAND in magnitude, take its value (or
+    `value`'s, the reference's piece of that sum). Returns how many changed."""
+    own = grad if own is None else own
+    take = (torch.sign(own) != torch.sign(reference)) | (own.abs() < EPS_BAND) | (reference.abs() < EPS_BAND)
+    take &= own != reference
+    grad[take] = (reference if value is None else value)[take]
+    return int(take.sum())
 
 
 class GradSigns:
@@ -39,20 +52,28 @@ class GradSigns:
         self.taken = 0     # elements that took the reference's value, over the run
         self.elements = 0  # elements seen
 
-    def take(self, step: int, param: str, layout: Layout, grad: torch.Tensor) -> None:
-        """Param `param`'s grad at `step` (its logical name); `grad`: this rank's piece. A
-        partial sum's piece (a DTensor grad not reduced yet: torch-native's replicated K/V weights) keeps
-        its own values: the sum's signs say nothing about a summand's, and the reference's value taken
-        into every piece would count it once per piece."""
-        if layout.partial:
+    def take(self, step: int, param: str, layout: Layout, grad: torch.Tensor,
+             reduced: torch.Tensor | None = None) -> None:
+        """Param `param`'s grad at `step` (its logical name); `grad`: this rank's piece.
+
+        A partial sum's piece (a DTensor grad not reduced yet: torch-native's replicated K/V weights)
+        is a summand: its own signs say nothing of the sum's. Given the sum (`reduced`: this rank's
+        piece with the partial axes summed), the elements where the sum's sign differs from the
+        reference's are set so that the sum becomes the reference's value: the reference's value on
+        coordinate 0 of the partial axes, zero elsewhere (`Layout.summand`), as the one-device runs
+        replaying the same parameter take it. Without it the piece keeps its own values (the
+        reference's value taken into every piece would count it once per piece)."""
+        if layout.partial and reduced is None:
             return
         name = canonical_name(step, None, param, "param_grad")
-        ref = self.feed.local(name, layout, grad)
-        if ref is None:
+        whole = Layout(layout.shard, (), layout.zigzag) if layout.partial else layout
+        ref = self.feed.local(name, whole, grad if reduced is None else reduced)
+        summand = self.feed.local(name, layout, grad) if layout.partial else ref
+        if ref is None or summand is None:
             raise TraceError(f"grad-sign replay: the reference's '{name}' does not cut to this rank's grad "
                              f"of shape {tuple(grad.shape)} by its layout {layout.to_json()}; the runs "
                              "differ in their model or layout (or set tolerance.grad_signs=own)")
-        self.taken += take_reference_signs(grad, ref)
+        self.taken += take_reference_signs(grad, ref, own=reduced, value=summand)
         self.elements += grad.numel()
 
     def release(self) -> None:

@@ -4,6 +4,8 @@ Param layouts come from its DTensor placements, output layouts from its TP style
 (tracer/integrations/hf.py). Clean tp2 passes, with transformers' activation checkpointing switched on
 as a user switches it; a K/V plan that leaves input grads unreduced exits 1 (without it)."""
 
+import re
+
 import pytest
 from recomputation import assert_recomputed_and_traced_as_without
 
@@ -68,14 +70,19 @@ def test_bf16_runs_under_autocast_and_its_perturbed_references_draw_gemm_roundin
     """precision=bf16 is the forward under torch.autocast, as Hugging Face's Trainer runs it: FP32
     parameters and grads, each Linear's output in BF16, the norms' and embeddings' in FP32. Its
     perturbed references draw every Linear's rounding (bit-identical runs would end the check with
-    exit 2), and the clean tp2 check passes (at the default seed: docs/tolerance.md "Known gaps" has
-    one false positive in 15 seeds)."""
+    exit 2), its perturbed references and candidate replay the reference's grad signs, and the clean
+    tp2 check passes."""
     import json
     from pathlib import Path
 
     res = results["clean-tp2-bf16"]
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
-    assert "grad_signs" not in res.report["reference"]   # DTensor jobs keep their own (grad_signs.py)
+    # auto replays the reference's grad signs for ttrace's DTensor jobs in bf16 (orchestrator/grad_signs.py)
+    assert res.report["reference"]["grad_signs"] == "replay"
+    for log in res.report["logs"]["candidate"]:   # each rank took the reference's value somewhere
+        text = (res.report_path.parent / log).read_text()
+        taken = re.search(r"grad-sign replay: (\d+) of (\d+) grad elements", text)
+        assert taken and 0 < int(taken[1]) < int(taken[2]), (log, taken)
     runs = {"candidate": Path(res.report["store"]), "perturbed-1": Path(res.report["reference"]["url"])}
     for run, root in runs.items():
         manifests = sorted((root / run).glob("rank*/manifest.json"))

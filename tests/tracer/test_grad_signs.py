@@ -4,6 +4,8 @@ replay."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -23,6 +25,15 @@ def test_elements_of_the_other_sign_or_zero_take_the_reference_value():
     ref = torch.tensor([4.0, 2.0, 1.0, 0.0, -0.1, 0.0])
     assert take_reference_signs(grad, ref) == 3
     assert grad.tolist() == [1.0, 2.0, 1.0, 0.0, -0.5, 0.0]   # same sign: the run's own value
+
+
+def test_elements_below_adams_eps_band_take_the_reference_value_whatever_their_sign():
+    """Near Adam's eps an update's size follows |g|: a grad of 3e-8 against the reference's 7e-7, both
+    positive, moved an element 0.75 lr against 0.99 lr (tracer/grad_signs.py)."""
+    grad = torch.tensor([3e-8, 7e-7, 2e-6, 5e-6, -1e-9])
+    ref = torch.tensor([7e-7, 3e-8, 3e-6, 4e-6, -1e-9])
+    assert take_reference_signs(grad, ref) == 2   # the last is the reference's already
+    assert grad.tolist() == torch.tensor([7e-7, 3e-8, 2e-6, 5e-6, -1e-9]).tolist()
 
 
 def _run(root, run: str, weight_grad: torch.Tensor, signs_from: str | None = None) -> nn.Linear:
@@ -112,6 +123,83 @@ def test_a_partial_sums_piece_keeps_its_own_signs(tmp_path):
     assert torch.equal(piece, torch.tensor([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]]))
 
 
+def test_a_partial_sums_pieces_given_their_sum_make_the_sum_the_references(tmp_path):
+    """Given the sum (the DTensor tracer all-reduces a Partial grad's pieces to read it), the elements
+    whose summed sign differs from the reference's are set so the sum is the reference's value: its
+    value on coordinate 0 of the partial axis, zero elsewhere; the rest keep their own, as a one-device
+    run replaying the same parameter does. Replay was lopsided before: the one-device perturbed runs
+    replayed these parameters and the candidate did not."""
+    from tracer.feed import ReferenceFeed
+    from tracer.grad_signs import GradSigns
+
+    store = tmp_path / "store"
+    ref = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, 1e-6]])
+    _run(store, "reference", ref)
+    pieces = [torch.tensor([[0.6, 1.0, 1.0], [-2.0, 1.0, -3e-6]]),
+              torch.tensor([[0.5, 0.5, 2.0], [-2.5, 2.0, 1e-6]])]
+    summed = pieces[0] + pieces[1]   # signs: (0, 1) and (1, 2) differ from the reference's
+    for rank, piece in enumerate(pieces):
+        signs = GradSigns(ReferenceFeed(load_logical(str(store), "reference", 1, lazy=True), {"tp": rank},
+                                        {"tp": 2}, purpose="grad-sign replay"))
+        signs.take(0, "weight", Partial("tp"), piece, summed.clone())
+        assert signs.taken == 2
+    assert torch.equal(pieces[0], torch.tensor([[0.6, -2.0, 1.0], [-2.0, 1.0, 1e-6]]))
+    assert torch.equal(pieces[1], torch.tensor([[0.5, 0.0, 2.0], [-2.5, 2.0, 0.0]]))
+    after = pieces[0] + pieces[1]
+    assert torch.equal(after[0, 1], ref[0, 1]) and torch.equal(after[1, 2], ref[1, 2])
+    assert torch.equal(torch.sign(after), torch.sign(ref))
+
+
+_TWO_RANKS = """
+import json, os, socket, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank(r, store, port, pieces):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+    from tracer.grad_signs import reference_grads
+    from tracer.integrations.dtensor import _summed, layout_of, local_of
+    grad = DTensor.from_local(torch.tensor(pieces[r]), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)),
+                              [Partial()])
+    signs = reference_grads(store, {"tp": r}, {"tp": 2})
+    signs.take(0, "weight", layout_of(grad), local_of(grad), _summed(grad))
+    full = grad.full_tensor()   # the reduction the optimizer's first read of the grad does
+    if r == 0:
+        print(json.dumps({"sum": full.tolist(), "taken": signs.taken}))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    mp.start_processes(rank, args=(sys.argv[1], port, json.loads(sys.argv[2])), nprocs=2, start_method="fork")
+"""
+
+
+def test_a_partial_dtensor_grad_replays_its_reduced_sum(tmp_path):
+    """Two gloo ranks hold a Partial("sum") DTensor grad; the DTensor tracer's `_summed` all-reduces it
+    for the replay, and after the optimizer's reduction the sum is the reference's where its sign
+    differed and the ranks' own sum elsewhere."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store = tmp_path / "store"
+    ref = [[1.0, -2.0, 3.0], [-4.0, 5.0, 1e-6]]
+    _run(store, "reference", torch.tensor(ref))
+    pieces = [[[0.6, 1.0, 1.0], [-2.0, 1.0, -3e-6]], [[0.5, 0.5, 2.0], [-2.5, 2.0, 1e-6]]]
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", _TWO_RANKS, f"{store}/reference", json.dumps(pieces)],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    own = (torch.tensor(pieces[0]) + torch.tensor(pieces[1])).tolist()
+    want = [[own[0][0], ref[0][1], own[0][2]], [own[1][0], own[1][1], ref[1][2]]]
+    assert torch.equal(torch.tensor(got["sum"]), torch.tensor(want)) and got["taken"] == 2, got
+
+
 def test_a_reference_of_another_shape_is_an_error(tmp_path):
     store = tmp_path / "store"
     _run(store, "reference", torch.ones(2, 3))
@@ -137,11 +225,13 @@ def test_which_checks_replay_grad_signs():
     assert grad_signs.replay(recipe.compose([*moe, "precision=fp8"]))
     assert not grad_signs.replay(recipe.compose(["precision=fp8"]))
     assert not grad_signs.replay(recipe.compose(["precision=fp32"]))
-    # DTensor jobs (ttrace's and a user's) replay when asked: a Partial grad keeps its own signs there
-    for job in (["job=torch_native", "model=llama_tiny"], ["job=hf", "parallel=tp2"],
-                ["job.entrypoint=mypkg.train:main"]):
-        assert not grad_signs.replay(recipe.compose([*job, "precision=bf16"])), job
-        assert grad_signs.replay(recipe.compose([*job, "precision=bf16", "tolerance.grad_signs=replay"])), job
+    # ttrace's DTensor jobs too, in bf16 (since their replay is symmetric); a user's job when asked
+    for job in (["job=torch_native", "model=llama_tiny"], ["job=hf", "parallel=tp2"]):
+        assert grad_signs.replay(recipe.compose([*job, "precision=bf16"])), job
+        assert not grad_signs.replay(recipe.compose([*job, "precision=fp32"])), job
+    user = ["job.entrypoint=mypkg.train:main", "precision=bf16"]
+    assert not grad_signs.replay(recipe.compose(user))
+    assert grad_signs.replay(recipe.compose([*user, "tolerance.grad_signs=replay"]))
     assert grad_signs.replay(recipe.compose(["precision=bf16", "tolerance.grad_signs=replay"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "tolerance.grad_signs=own"]))
     assert not grad_signs.replay(recipe.compose([*moe, "precision=bf16", "trace.kinds=[output,param]"]))

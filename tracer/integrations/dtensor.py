@@ -96,6 +96,16 @@ def layout_of(t: torch.Tensor) -> Layout:
     return Layout()
 
 
+def _summed(t: DTensor) -> torch.Tensor | None:
+    """A partial-sum grad's local piece with its `Partial("sum")` axes summed (grad-sign replay reads the
+    sum's signs, tracer.grad_signs.GradSigns.take); None for another reduction. A collective: every
+    rank records its param grads at the same point of the step (the job contract), in the same order."""
+    if any(p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" for p in t.placements):
+        return None
+    summed = [Replicate() if p.is_partial() else p for p in t.placements]
+    return t.redistribute(t.device_mesh, summed).to_local()
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor; a masked partial (vocab-parallel embedding lookup) gets its pending mask
     applied to a copy: until its reduction, rows of token ids outside this rank's vocab shard hold
@@ -171,7 +181,7 @@ class DTensorTracer(Tracer):
             name, local, layout = self._rename(pname), local_of(t), layout_of(t)
             self.record(name, kind, local, layout, module_type=types.get(pname.rpartition(".")[0], ""))
             if signs is not None:   # after the record: the traced grad is the run's own
-                signs.take(self._step, name, layout, local)
+                signs.take(self._step, name, layout, local, _summed(t) if layout.partial else None)
         if signs is not None:
             signs.release()
 
