@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint ui clean bench-tolerance bench-bugs bench-perf bench-faults bench-suite nightly chromium
+.PHONY: setup demo test test-fast lint ui clean bench-tolerance bench-bugs bench-bugs-bf16 bench-perf bench-faults bench-suite nightly chromium
 
 setup: $(STAMP)
 
@@ -65,6 +65,12 @@ bench-tolerance: setup
 # (BENCH_ARGS="--bugs a,b --loss-steps 50" narrows it)
 bench-bugs: setup
 	$(BIN)/python bench/bugs.py $(BENCH_ARGS)
+
+# The same in bf16: every catalog bug a check runs in bf16 here (bench/bugs.py runs_in), no loss curves
+# or scans -> bench/bugs-bf16.json + .md. Exits 1 while bf16 falls short: lr_schedule_local_samples
+# (its 2-step trigger is below bf16's noise; a scan finds it) and grad_norm_wrong_group's culprit.
+bench-bugs-bf16: setup
+	$(BIN)/python bench/bugs.py --precision bf16 --loss-steps 0 --no-scan --out bench/bugs-bf16.json $(BENCH_ARGS)
 
 # ttrace's own cost: tracer overhead, compare vs raw read throughput, demo latency by stage -> bench/perf.json
 bench-perf: setup

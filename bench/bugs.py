@@ -277,7 +277,8 @@ def _stats_cell(r: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
-    lines = ["# ttrace bug catalog benchmark", "",
+    title = "# ttrace bug catalog benchmark" + (f" in {p}" if (p := totals.get("precision")) else "")
+    lines = [title, "",
              f"{totals['detected']}/{totals['bugs']} detected, {totals['correct']}/{totals['bugs']} "
              f"culprit at the catalogued module, mean blame window {totals['mean_blame_window']} "
              f"(modules diverged without isolation: {totals['mean_diverged_modules']}), clean "
@@ -317,10 +318,31 @@ def markdown(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runs_in(precision: str) -> tuple[list[str], dict[str, str]]:
+    """The catalog bugs a check runs in `precision` on this machine: their trigger sets no precision of
+    its own (fp8_amax_unreduced's is fp8) and their recipe validates with it. Returns (those bugs, the
+    others' reasons)."""
+    keep, left = [], {}
+    for name, bug in CATALOG.items():
+        set_it = [o for o in bug.recipe if o.startswith("precision")]
+        try:
+            if set_it:
+                raise TTraceError(f"its trigger sets {set_it[0]}")
+            for overrides in ([*bug.recipe, f"bug={name}"], [*bug.clean_recipe, "bug=none"]):
+                recipe.validate(recipe.compose([*overrides, f"precision={precision}", *COMMON]))
+        except TTraceError as e:
+            left[name] = str(e)
+            continue
+        keep.append(name)
+    return keep, left
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bugs", default="", help="comma-separated subset of the catalog (default: every "
-                    "built-in-trainer bug)")
+                    "built-in-trainer bug; with --precision, every bug that runs in it)")
+    ap.add_argument("--precision", default="", help="every check in this precision (e.g. bf16), and by "
+                    "default every catalog bug a check runs in it (`make bench-bugs-bf16`)")
     ap.add_argument("--loss-steps", type=int, default=200, help="loss-curve baseline length (0: skip)")
     ap.add_argument("--seeds", type=int, default=3, help="clean seeds for the loss spread")
     ap.add_argument("--scan", action=argparse.BooleanOptionalAction, default=True,
@@ -333,6 +355,12 @@ def main() -> int:
     args = ap.parse_args()
     # Default: the BUGS.md catalog in the built-in trainer (framework bugs have their own tests).
     builtin = [name for name, bug in CATALOG.items() if bug.job == "builtin"]
+    if args.precision:
+        args.overrides = [*args.overrides, f"precision={args.precision}"]
+        if not args.bugs:
+            builtin, left = runs_in(args.precision)
+            for name, why in left.items():
+                print(f"bench-bugs: {name} left out in {args.precision}: {why}", file=sys.stderr)
     bugs = [b for b in args.bugs.split(",") if b] or builtin
     unknown = [b for b in bugs if b not in CATALOG]
     if unknown:
@@ -381,7 +409,8 @@ def main() -> int:
                                    for r in rows),
               "stats_clean": len(stats_cleans),
               "stats_clean_pass": sum(r.verdict == "pass" for r in stats_cleans),
-              "checks_wall_s": checks_s, "scans_wall_s": scans_s, "wall_s": time.perf_counter() - t0}
+              "checks_wall_s": checks_s, "scans_wall_s": scans_s, "wall_s": time.perf_counter() - t0,
+              "precision": args.precision or None}
     out = Path(args.out)
     out.write_text(json.dumps({"totals": totals, "rows": rows,
                                "loss_curves": {k: v for k, v in losses.items()}}, indent=1))

@@ -30,3 +30,21 @@ def test_every_bug_has_an_honest_counterpart_that_validates():
     for name, bug in CATALOG.items():
         validate(compose([*bug.clean_recipe, "bug=none", "tracking.enabled=false"]))
         assert bug.clean_recipe == bug.recipe or bug.clean, name
+
+
+def test_the_bf16_bench_runs_every_bug_that_validates_in_bf16():
+    """`make bench-bugs-bf16` (bench/bugs.py --precision bf16): the bugs are those whose check and honest
+    counterpart validate in bf16 and whose trigger sets no precision; the rest are named with the reason."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "bugs.py"
+    spec = importlib.util.spec_from_file_location("bench_bugs", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    keep, left = bench.runs_in("bf16")
+    assert {"hf_gqa_kv_replicated_plan", "tn_gqa_kv_gathered_output", "dp_grad_not_averaged"} <= set(keep)
+    assert "sets precision=fp8" in left["fp8_amax_unreduced"]
+    megatron = {n for n, b in CATALOG.items() if b.job == "megatron_core"}
+    assert megatron and all("fp32" in left[n] for n in megatron)
+    assert sorted(keep + list(left)) == sorted(CATALOG)
