@@ -2,12 +2,15 @@
 reference or the candidate traces its param grads, every element whose sign differs from the
 reference's grad (or that is zero where the reference's is not, or the reverse) takes the reference's
 value, so the optimizer's first update, lr * sign(g), is the reference's wherever rounding alone decided
-the sign. So does every element whose grad, its own or the reference's, is below EPS_BAND: Adam's update
+the sign. So does every element whose reference grad is below EPS_BAND: Adam's update
 lr * g / (|g| + eps) is lr * sign(g) only for |g| well above eps, and below it its size follows |g|,
 which rounding decides there (a clean Hugging Face bf16 check, seed 41: an embedding element with grad
 3e-8 against the reference's 7e-7, both positive, moved 0.75 lr against 0.99 lr, and the next step's
-embedding output failed at 1.24x its tolerance). The traced grads are the run's own: a wrong grad is
-judged where it was made.
+embedding output failed at 1.24x its tolerance). The band is the reference's, so every run decides an
+element alike: with "either grad below it", perturbed runs whose grad fell below it took the reference's
+value where a candidate just above kept its own, and clean torch-native checks failed at 2.3-3.2x on
+step-0 weights (seeds 83, 87). The traced grads are the run's own: a wrong grad is judged where it was
+made.
 
 At attach (tracer/job.py) a replaying rank opens the reference run (`reference_grads`); the tracer
 (`Tracer.replay_grad_signs`) hands each param grad it records, with its layout, to `GradSigns.take`,
@@ -35,10 +38,10 @@ EPS_BAND = 1e-6
 def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor, *, own: torch.Tensor | None = None,
                          value: torch.Tensor | None = None) -> int:
     """In place: the elements of `grad` whose sign (or that of `own`, the sum `grad` is a piece of)
-    differs from `reference`'s, or where either is below EPS_BAND in magnitude, take its value (or
-    `value`'s, the reference's piece of that sum). Returns how many changed."""
+    differs from `reference`'s, or where the reference's is below EPS_BAND in magnitude, take its value
+    (or `value`'s, the reference's piece of that sum). Returns how many changed."""
     own = grad if own is None else own
-    take = (torch.sign(own) != torch.sign(reference)) | (own.abs() < EPS_BAND) | (reference.abs() < EPS_BAND)
+    take = (torch.sign(own) != torch.sign(reference)) | (reference.abs() < EPS_BAND)
     take &= own != reference
     grad[take] = (reference if value is None else value)[take]
     return int(take.sum())
