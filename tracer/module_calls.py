@@ -37,7 +37,7 @@ class Call(NamedTuple):
     shape."""
     microbatch: int | None
     at: str
-    shape: torch.Size
+    shape: tuple[int, ...]
 
 
 class ModuleCalls:
@@ -48,8 +48,10 @@ class ModuleCalls:
         self.reset()
 
     def reset(self) -> None:
-        self._count: dict[tuple[int | None, str], int] = {}
-        self._open: dict[str, deque[tuple]] = {}   # path -> its forwards not recomputed yet
+        self._count: dict[int | None, dict[str, int]] = {}   # microbatch -> path -> its forwards so far
+        # path -> its forwards not recomputed yet, Call's fields flat (3 cells a call: a tuple per
+        # call would be an object the cyclic GC tracks, tracer/writer.py says what those cost)
+        self._open: dict[str, deque] = {}
 
     def forward(self, path: str, step: int, microbatch: int | None,
                 shape: torch.Size) -> tuple[Call | None, int | None, str]:
@@ -62,18 +64,20 @@ class ModuleCalls:
 
     def name(self, path: str, microbatch: int | None) -> str:
         """The path this forward of `path` in `microbatch` is recorded under (module doc)."""
-        key = (microbatch, path)
-        k = self._count.get(key, 0)
-        self._count[key] = k + 1
+        count = self._count.get(microbatch)   # by microbatch, then path: no key tuple a call (ran says why)
+        if count is None:
+            count = self._count[microbatch] = {}
+        k = count.get(path, 0)
+        count[path] = k + 1
         return path if k == 0 else f"{path}#{k}"
 
-    def ran(self, path: str, call: tuple) -> None:
-        """A forward of `path` ran (not a recomputation): `call` holds Call's fields (a plain tuple:
-        this runs per traced module call, on the training thread's path)."""
+    def ran(self, path: str, microbatch: int | None, at: str, shape: tuple[int, ...]) -> None:
+        """A forward of `path` ran (not a recomputation): Call's fields, the shape interned
+        (tracer.snapshot.interned). Per traced module call, on the training thread's path."""
         calls = self._open.get(path)
         if calls is None:
             calls = self._open[path] = deque()
-        calls.append(call)
+        calls += (microbatch, at, shape)
 
     def recomputed(self, path: str, step: int, shape: torch.Size) -> Call:
         """The forward that this recomputation of `path` in backward repeats (module doc)."""
@@ -83,7 +87,7 @@ class ModuleCalls:
                              "(activation recomputation) with no forward of it in that step left to repeat: "
                              "ttrace cannot tell which call this is. Run the microbatches' backwards in "
                              "their forwards' order, or turn recomputation off for the check")
-        call = Call._make(calls.popleft())
+        call = Call(calls.popleft(), calls.popleft(), calls.popleft())
         self.recomputed_forwards += 1
         if call.shape != shape:
             raise TraceError(f"traced module '{path}' was recomputed in step {step}'s backward with output "

@@ -26,7 +26,7 @@ from tracer.direct_io import aligned_slab
 
 
 class Slot(NamedTuple):
-    """One snapshot in a part (appended as a plain tuple on the hot path, in this field order)."""
+    """One snapshot in a part (its fields laid flat in Part.cells on the hot path, in this order)."""
 
     row: int                  # the writer's record index (its manifest entry)
     dtype: torch.dtype
@@ -34,6 +34,14 @@ class Slot(NamedTuple):
     offset: int               # byte offset in the slab
     nbytes: int
     keep: bool                # written to the part file (False: its statistics only, tracer/stats.py)
+
+
+SLOT_CELLS = len(Slot._fields)
+
+
+def slot_columns(cells: list[Any]) -> list[list[Any]]:
+    """Slot fields laid flat (SLOT_CELLS a slot, Part.cells) as one list per field."""
+    return [cells[i::SLOT_CELLS] for i in range(SLOT_CELLS)]
 
 
 class Part:
@@ -44,24 +52,25 @@ class Part:
         self.capacity = slab.numel()
         self.base = slab.data_ptr()       # host address of byte 0 (the memmove path of `snapshot`)
         self.used = 0
-        self.slots: list[tuple] = []      # Slot fields
+        # Slot fields, SLOT_CELLS per snapshot, flat: a tuple per snapshot would be a survivor the
+        # cyclic GC tracks (tracer/writer.py says what those cost); `slots` makes the tuples, on the
+        # writer thread
+        self.cells: list[Any] = []
         self.holds: list[torch.Tensor] = []   # device sources until `events` fire
         self.events: list[Any] = []
         # dtype -> (the slab viewed as dtype, the storage offset of the slab's byte 0 in its elements:
         # an aligned slab is a view into a larger allocation, and as_strided counts from the storage)
         self.typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
 
+    def slots(self) -> list[tuple]:
+        """Each snapshot's Slot fields, in slab order."""
+        return list(zip(*slot_columns(self.cells), strict=True))
+
     def typed_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         size = dtype.itemsize
         view = self.slab[:self.capacity // size * size].view(dtype)
         self.typed[dtype] = view, view.storage_offset()
         return self.typed[dtype]
-
-    def view(self, slot: Slot) -> torch.Tensor:
-        """The slot's tensor as it lies in the slab (valid once the part's events fired)."""
-        if not slot.nbytes:
-            return torch.empty(slot.shape, dtype=slot.dtype)
-        return self.slab[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 class SlabPool:
@@ -144,6 +153,20 @@ _STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}   # contiguous strides per
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
 
+# Shapes as the writer keeps them: one tuple per distinct shape (a record's cells hold no tuple of its
+# own, tracer/writer.py), looked up by the tensor's torch.Size (which hashes and compares as a tuple).
+INTERNED: dict[tuple[int, ...], tuple[int, ...]] = {}
+_INTERN_MAX = 1 << 16   # distinct shapes kept (e.g. varying sequence lengths); beyond, a tuple per record
+
+
+def interned(size: tuple[int, ...]) -> tuple[int, ...]:
+    """`size` as a tuple, the one kept for its shape (INTERNED.get(size) first: the hot path)."""
+    shape = tuple(size)
+    if len(INTERNED) < _INTERN_MAX:
+        INTERNED[shape] = shape
+    return shape
+
+
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, n = [], 1
     for d in reversed(shape):
@@ -181,6 +204,6 @@ def snapshot(part: Part, row: int, tensor: torch.Tensor, dtype: torch.dtype, sha
             dst.copy_(tensor)
         else:
             copier.copy(part, dst, tensor)
-    part.slots.append((row, dtype, shape, off, nbytes, keep))   # atoms only: GC-untracked
+    part.cells += (row, dtype, shape, off, nbytes, keep)   # a temporary tuple: no GC survivor
     part.used = off + nbytes
     return True

@@ -25,7 +25,6 @@ import json
 import queue
 import threading
 from collections import Counter
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -35,22 +34,31 @@ from fsspec.implementations.local import LocalFileSystem
 from tracer.checksum import WRITTEN, hasher
 from tracer.direct_io import header_block, write_direct
 from tracer.errors import TraceError
-from tracer.snapshot import DeviceCopier, Part, SlabPool, Slot, snapshot, wait_for_copies
+from tracer.heap import gc_paused
+from tracer.safetensors_views import header_json
+from tracer.snapshot import (
+    INTERNED,
+    DeviceCopier,
+    Part,
+    SlabPool,
+    Slot,
+    interned,
+    slot_columns,
+    snapshot,
+    wait_for_copies,
+)
 from tracer.stats import MODES, entry, kept_in_full, load_kernel, slab_figures
 from tracer.store import FORMAT, MANIFEST, _fs, rank_dir
 
 # A record's fields, in the order `add` takes them; the manifest entry adds key, shape, dtype, file
 # (full) or stats (trace.mode=stats).
 FIELDS = ("name", "module", "module_type", "kind", "step", "microbatch", "seq", "layout", "scale")
+ROW_CELLS = len(FIELDS) + 3   # a record's cells in TraceWriter._cells: FIELDS, shape, dtype, part file
 
 # A part's bytes go to the file in writes of at most this size. Measured on the 2-core EPYC VM (ext4):
 # a 9 MB part written in one call cost the writer thread 17-25 ms of CPU, in 256 KB-1 MB writes 3.5-5
 # ms (CPU a training process's other ranks and threads can use).
 WRITE_BYTES = 1 << 20
-
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64",
-             torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 class TraceWriter:
@@ -68,14 +76,14 @@ class TraceWriter:
         self._full = mode == "full"
         if not self._full:
             load_kernel()   # before the first step, not on the writer thread during it
-        # Per record: (FIELDS values before the layout, layout index, scale, shape, dtype, part file or
-        # None); manifest entries are built at close, off the training thread's path. Rows hold only
-        # atoms (the layout by index into _layouts, the shape as a plain tuple), so the cyclic GC
-        # untracks them: tracked, ~1,200 of them a step pushed a full collection of the process
-        # (~200 ms over a torch heap) every few dozen steps.
-        self._rows: list[tuple[tuple, int, float, tuple[int, ...], torch.dtype, str | None]] = []
-        self._layouts: list[dict[str, Any]] = []
-        self._layout_index: dict[int, int] = {}   # id(layout) -> index (_layouts keeps it alive)
+        # Per record, ROW_CELLS cells appended to one flat list: its FIELDS values, shape (one tuple
+        # per distinct shape: tracer.snapshot.interned), dtype, part file or None; manifest entries
+        # are built at close, off the training thread's path. A record leaves no object the cyclic GC
+        # tracks. With a tuple per record and slot (until 2026-12-07), gpt_tiny's training made 184
+        # young-generation passes per 100 steps (16.5 of the next), 0.8 ms of GC a step; now 4 (0.5),
+        # as many as untraced, 0.45 ms (docs/stats_mode.md, Cost).
+        self._cells: list[Any] = []
+        self._records = 0
         # Stats mode, per dtype of a part (writer thread): (element size, rows, bytes, and the figures of
         # tracer.stats.slab_figures), made manifest entries at close.
         self._figures: list[tuple[int, np.ndarray, np.ndarray, tuple[np.ndarray, ...]]] = []
@@ -97,22 +105,20 @@ class TraceWriter:
         if self._error is not None:
             self._raise_if_failed()
         keep = self._full or kept_in_full(fields[7])
-        rows = self._rows
-        row = len(rows)
+        row = self._records
+        self._records = row + 1
         part = self._part
-        dtype, shape = tensor.dtype, tuple(tensor.shape)   # read once: each torch call ~0.1-0.2 us
+        dtype, size = tensor.dtype, tensor.shape   # read once: each torch call ~0.1-0.2 us
+        shape = INTERNED.get(size) or interned(size)
         if part is None or not snapshot(part, row, tensor, dtype, shape, self._copier, keep):
             if part is not None:
                 self.flush()
             pinned = tensor.is_cuda and self._copier is not None
             part = self._part = Part(self._pool.take(tensor.nbytes, pinned))
             snapshot(part, row, tensor, dtype, shape, self._copier, keep)
-        layout = fields[7]
-        index = self._layout_index.get(id(layout))
-        if index is None:
-            index = self._layout_index[id(layout)] = len(self._layouts)
-            self._layouts.append(layout)
-        rows.append((fields[:7], index, fields[8], shape, dtype, _NAMES[self._parts] if keep else None))
+        cells = self._cells
+        cells += fields
+        cells += (shape, dtype, _NAMES[self._parts] if keep else None)
 
     @property
     def entries(self) -> list[dict[str, Any]]:
@@ -120,10 +126,14 @@ class TraceWriter:
         stats = {row: entry(*f, n // size) for size, rows, nbytes, figures in self._figures
                  for row, *f, n in zip(rows.tolist(), *(a.tolist() for a in figures), nbytes.tolist(),
                                        strict=True)}
-        out = []
-        for i, (head, layout, scale, shape, dtype, file) in enumerate(self._rows):
-            e = dict(zip(FIELDS, (*head, self._layouts[layout], scale), strict=True), key=head[0],
-                     shape=list(shape), dtype=str(dtype).removeprefix("torch."))
+        out, cells = [], self._cells
+        if len(cells) != ROW_CELLS * self._records:   # a caller's fields of another length
+            raise TraceError(f"trace writer {self.dir}: {len(cells)} cells for {self._records} records; each "
+                             f"record's fields must be FIELDS' {len(FIELDS)} values (tracer.writer.FIELDS)")
+        for i, at in enumerate(range(0, len(cells), ROW_CELLS)):
+            *head, shape, dtype, file = cells[at:at + ROW_CELLS]
+            e = dict(zip(FIELDS, head, strict=True), key=head[0], shape=list(shape),
+                     dtype=str(dtype).removeprefix("torch."))
             if file is not None:
                 e["file"] = file
             if i in stats:
@@ -134,7 +144,7 @@ class TraceWriter:
     def flush(self) -> None:
         """Hand the current part to the writer thread (blocks only when max_pending parts wait)."""
         part, self._part = self._part, None
-        if part is None or not part.slots:
+        if part is None or not part.cells:
             if part is not None:
                 self._pool.give(part.slab)
             return
@@ -150,13 +160,16 @@ class TraceWriter:
         self._queue.put(None)
         self._thread.join()
         self._raise_if_failed()
-        entries = self.entries
-        incomplete = incomplete or _named_twice(entries)
-        manifest = dict(self.header, format=FORMAT, checksum=WRITTEN, mode=self.mode, files=self.files,
-                        entries=entries)
-        if incomplete:
-            manifest["incomplete"] = incomplete
-        text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
+        # A dict per record, none in a cycle: 80,000 records beside a 4 x 10^5-object heap took
+        # 0.81-1.03 s to commit with the GC's 229 passes, 0.55-0.59 s with it paused (tracer.heap).
+        with gc_paused():
+            entries = self.entries
+            incomplete = incomplete or _named_twice(entries)
+            manifest = dict(self.header, format=FORMAT, checksum=WRITTEN, mode=self.mode, files=self.files,
+                            entries=entries)
+            if incomplete:
+                manifest["incomplete"] = incomplete
+            text = json.dumps(manifest)   # one write: json.dump issues one per token (~10^5, 0.3 s)
         with self.fs.open(f"{self.dir}/{MANIFEST}", "w") as f:
             f.write(text)
 
@@ -173,43 +186,49 @@ class TraceWriter:
             try:
                 wait_for_copies(part)
                 # Per-slot Python here holds the GIL the training thread keeps asking for: in full
-                # mode (every slot kept) the slots go to the file as the snapshot left them.
-                kept = part.slots
+                # mode (every slot kept) the slots go to the file as the snapshot left them, read from
+                # the part's cells (tuples of them held were GC survivors: TraceWriter._cells).
+                kept = part.cells
                 if not self._full:
-                    self._record_stats(part)
-                    kept = [s for s in kept if s[5]]
+                    slots = part.slots()
+                    self._record_stats(part, slots)
+                    kept = [x for slot in slots if slot[5] for x in slot]
+                    del slots
                 if kept and not (self._direct and self._write_direct(name, part, kept)):
-                    self._write(name, part, [Slot._make(s) for s in kept])
+                    self._write(name, part, [Slot._make(s) for s in zip(*slot_columns(kept), strict=True)])
+                del kept
             except BaseException as e:  # surfaced to the training thread on the next add/close
                 self._error = e
             finally:
                 self._pool.give(part.slab)
 
-    def _record_stats(self, part: Part) -> None:
+    def _record_stats(self, part: Part, slots: list[tuple]) -> None:
         """Stats mode: the summarized slots' statistics, one compiled pass over the slab per dtype
         (tracer.stats.slab_figures). The training thread waits for the GIL this thread holds: per
         slot, one tuple appended here, the entries made at close."""
         groups: dict[torch.dtype, list[tuple[int, int, int]]] = {}
-        for row, dtype, _, offset, nbytes, keep in part.slots:
+        for row, dtype, _, offset, nbytes, keep in slots:
             if not keep:
                 groups.setdefault(dtype, []).append((row, offset, nbytes))
         for dtype, slots in groups.items():
             rows, at, nbytes = np.array(slots, dtype=np.int64).T.copy()   # each row contiguous
             self._figures.append((dtype.itemsize, rows, nbytes, slab_figures(part.slab, at, nbytes, dtype)))
 
-    def _write_direct(self, name: str, part: Part, slots: list[tuple]) -> bool:
+    def _write_direct(self, name: str, part: Part, slots: list[Any]) -> bool:
         """The part as its slab holds it, with O_DIRECT (tracer/direct_io.py): True if written. False
         when its tensors do not lie back to back from the slab's start (an alignment hole between
         dtypes, or summarized slots among them), or the filesystem refuses O_DIRECT (then for good).
-        `slots`: Slot fields, in slab order."""
+        `slots`: Slot fields, flat (SLOT_CELLS each), in slab order."""
+        rows, dtypes, shapes, offsets, sizes, _ = slot_columns(slots)
         end = 0
-        for slot in slots:
-            if slot[3] != end:   # offset
+        for offset, nbytes in zip(offsets, sizes, strict=True):
+            if offset != end:
                 return False
-            end += slot[4]
-        rows = self._rows
-        head = header_block(_header_json((rows[row][0][0], dtype, shape, offset, offset + nbytes)
-                                         for row, dtype, shape, offset, nbytes, _ in slots))
+            end += nbytes
+        cells = self._cells
+        head = header_block(header_json((cells[row * ROW_CELLS], dtype, shape, offset, offset + nbytes)
+                                         for row, dtype, shape, offset, nbytes
+                                         in zip(rows, dtypes, shapes, offsets, sizes, strict=True)))
         if not write_direct(f"{self.dir}/{name}", head, part.slab, end):
             self._direct = False
             return False
@@ -227,13 +246,13 @@ class TraceWriter:
         ranges: list[list[int]] = []
         pos = 0
         for s in order:
-            entries.append((self._rows[s.row][0][0], s.dtype, s.shape, pos, pos + s.nbytes))
+            entries.append((self._cells[s.row * ROW_CELLS], s.dtype, s.shape, pos, pos + s.nbytes))
             pos += s.nbytes
             if ranges and ranges[-1][1] == s.offset:
                 ranges[-1][1] += s.nbytes
             else:
                 ranges.append([s.offset, s.offset + s.nbytes])
-        head = header_block(_header_json(entries), 8)
+        head = header_block(header_json(entries), 8)
         raw = part.slab.numpy()
         h = hasher(WRITTEN)
         h.update(head)
@@ -249,30 +268,6 @@ class TraceWriter:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise TraceError(f"writing trace to {self.dir} failed: {self._error}") from self._error
-
-
-_quote = json.encoder.encode_basestring_ascii   # a JSON string literal, as json.dumps writes one
-
-
-class _ShapeJson(dict):
-    """A shape's JSON array, formatted once per shape (shapes repeat every step)."""
-
-    def __missing__(self, shape: tuple[int, ...]) -> str:
-        text = self[shape] = f"[{','.join(map(str, shape))}]"
-        return text
-
-
-_SHAPES = _ShapeJson()
-
-
-def _header_json(entries: Iterable[tuple[str, torch.dtype, tuple[int, ...], int, int]]) -> bytes:
-    """A part's safetensors header JSON from (name, dtype, shape, start, end) per tensor, in order:
-    the text json.dumps makes of the format's nested dicts (byte for byte), formatted directly. The
-    writer thread holds the GIL the training thread waits for while it runs: three containers per
-    tensor and their encoding took 2.2-3.3 us a tensor (gpt_tiny's 398 a part), this 0.7."""
-    return ("{" + ",".join([f'{_quote(name)}:{{"dtype":"{_ST_NAMES[dtype]}","shape":{_SHAPES[shape]},'
-                            f'"data_offsets":[{start},{end}]}}'
-                            for name, dtype, shape, start, end in entries]) + "}").encode()
 
 
 class _PartNames(dict):

@@ -6,6 +6,7 @@ records of one name, is an error."""
 
 import contextlib
 import functools
+import gc
 import json
 import re
 
@@ -183,3 +184,36 @@ def test_a_wrapped_model_is_initialized_by_its_logical_names():
     got = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in wrapped.named_parameters()}
     assert all(torch.equal(got[n], p) for n, p in plain.named_parameters())
     assert not torch.equal(plain.blk.a.weight, Model("once").blk.a.weight)   # the generator did draw
+
+
+def test_a_traced_step_keeps_no_gc_tracked_object_per_module_call_or_record(tmp_path):
+    """The taps, the gradient hooks and the calls' bookkeeping keep no object the cyclic GC tracks per
+    module call or record, beyond a deque per traced module and a dict per microbatch until the step
+    ends: a step grows the GC's young-generation count (each tracked object alive at its end) as an
+    untraced one does, give or take those. (Tuples per call and per record made gpt_tiny's training run
+    184 young-generation passes per 100 steps, against 4 untraced.)"""
+    batches = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    traced, untraced = Model("twice"), Model("twice")
+    tr = Tracer(str(tmp_path), "gc", 0, {}, {})
+    tr.attach(traced, PLAN)
+
+    def step(model, i: int) -> int:
+        """The young generation's growth within one step (8 microbatches: 96 records, 48 module calls)."""
+        gc.disable()
+        try:
+            with tr.step(i) if model is traced else contextlib.nullcontext():
+                before = gc.get_count()[0]   # after the step's start dropped the last step's calls
+                for mb, x in enumerate(batches):
+                    with tr.microbatch(mb) if model is traced else contextlib.nullcontext():
+                        model(x).square().mean().backward()
+                if model is traced:
+                    tr.record_param_grads(model)
+                return gc.get_count()[0] - before
+        finally:
+            gc.enable()
+
+    for i in range(2):   # the first: shapes interned, lists and parts made
+        grown, plain = step(traced, i), step(untraced, i)
+    tr.close()
+    # a deque a module, a dict a microbatch
+    assert grown - plain <= len(PLAN) + len(batches) + 4, (grown, plain)

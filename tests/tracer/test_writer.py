@@ -109,7 +109,7 @@ def test_a_part_goes_to_a_local_directory_with_o_direct_and_safetensors_reads_it
     its header padded to whole 4 KB blocks, its data the slab's bytes, the file cut to its exact
     length. A part with an alignment hole (bf16 then float32) goes through the page cache, grouped by
     element size. Both read back bit for bit, by safetensors itself and by the comparison's reader.
-    The header is formatted directly (tracer.writer._header_json), not by json.dumps: names with a
+    The header is formatted directly (tracer.safetensors_views.header_json), not by json.dumps: names with a
     quote, a backslash, a control character or a non-ASCII letter are escaped as json.dumps would."""
     g = torch.Generator().manual_seed(1)
     x, y, h, z = 'x"q', "y\\b", "h\nn", "z\u00e9"
@@ -183,22 +183,40 @@ def test_a_filesystem_that_refuses_o_direct_gets_its_parts_through_the_page_cach
                for n, t in want.items())
 
 
-def test_the_writers_bookkeeping_per_record_is_left_out_of_the_cyclic_gc(tmp_path):
-    """Per record the training thread keeps a manifest row and a slot in the current part; both hold
-    atoms only, so the GC untracks them at its next pass (tracked, they pushed a full collection of
-    the process every few dozen steps). The manifest still carries each record's layout and shape."""
+def test_a_record_leaves_no_object_the_cyclic_gc_tracks(tmp_path):
+    """Per record the training thread keeps a manifest row and a slot in the current part, as atoms in
+    flat lists (shapes interned): the GC's young-generation count, which grows by each tracked object
+    that outlives its statement, does not grow with records (a tuple per row and slot made it grow by
+    4 a record, one GC pass per ~440 records rescanning what the process holds). The manifest still
+    carries each record's layout and shape."""
     w = TraceWriter(str(tmp_path), "r", 0, {"run": "r", "rank": 0, "coords": {}, "sizes": {}, "meta": {}})
     layout = Shard(0, "tp").to_json()
-    for seq in range(50):
-        w.add((f"0/-/m{seq}/output", f"m{seq}", "Linear", "output", 0, None, seq, layout, 1.0),
-              torch.ones(4, 3))
-    gc.collect()
-    gc.collect()   # a row's own tuple is untracked a pass after the tuple of fields inside it
-    assert not any(gc.is_tracked(r) for r in w._rows)
-    assert not any(gc.is_tracked(s) for s in w._part.slots)
+    names = [(f"0/-/m{seq}/output", f"m{seq}") for seq in range(200)]   # made before counting
+    tensors = [torch.ones(4, 3) for _ in range(200)]
+    record = lambda seq: w.add((*names[seq], "Linear", "output", 0, None, seq, layout, 1.0), tensors[seq])
+    record(0)   # its shape's tuple, the part, the lists' first cells
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for seq in range(1, 200):
+            record(seq)
+        grown = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert grown < 10, f"{grown} GC-tracked objects kept for 199 records"
     w.close()
     entries = json.loads((tmp_path / "r" / "rank00000" / "manifest.json").read_text())["entries"]
-    assert [(e["layout"], e["shape"], e["seq"]) for e in entries] == [(layout, [4, 3], i) for i in range(50)]
+    assert [(e["layout"], e["shape"], e["seq"]) for e in entries] == [(layout, [4, 3], i) for i in range(200)]
+
+
+def test_a_record_with_fields_of_another_length_is_refused_at_commit(tmp_path):
+    """A record's fields lie flat in one list: a caller passing another number of them would shift every
+    later record's, so the commit refuses the trace instead of writing a manifest of shifted fields."""
+    w = TraceWriter(str(tmp_path), "r", 0, {"run": "r", "rank": 0, "coords": {}, "sizes": {}, "meta": {}})
+    w.add(("0/-/m/output", "m", "Linear", "output", 0, None, 0, Shard(0, "tp").to_json()), torch.ones(2))
+    with pytest.raises(TraceError, match="1 records; each record's fields must be"):
+        w.close()
+    assert not (tmp_path / "r" / "rank00000" / "manifest.json").exists()
 
 
 def test_stats_mode_records_the_statistics_of_each_snapshot_as_local_stats_computes_them(tmp_path):
