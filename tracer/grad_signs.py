@@ -71,11 +71,11 @@ class GradSigns:
         name = canonical_name(step, None, param, "param_grad")
         whole = Layout(layout.shard, (), layout.zigzag) if layout.partial else layout
         ref = self.feed.local(name, whole, grad if reduced is None else reduced)
-        summand = self.feed.local(name, layout, grad) if layout.partial else ref
-        if ref is None or summand is None:
+        if ref is None:
             raise TraceError(f"grad-sign replay: the reference's '{name}' does not cut to this rank's grad "
                              f"of shape {tuple(grad.shape)} by its layout {layout.to_json()}; the runs "
                              "differ in their model or layout (or set tolerance.grad_signs=own)")
+        summand = ref if layout.holds_sum(self.feed.coords) else torch.zeros_like(ref)   # Layout.summand
         self.taken += take_reference_signs(grad, ref, own=reduced, value=summand)
         self.elements += grad.numel()
 

@@ -67,9 +67,12 @@ class Layout:
         """A local tensor that reassembles to `full`: this rank's shard, and for partial-sum axes the
         whole shard on coordinate 0 and zeros elsewhere (any split that sums to `full` is valid)."""
         out = Layout(self.shard, (), self.zigzag).local(full, coords, sizes)
-        if any(coords.get(a, 0) != 0 for a in self.partial):
-            return torch.zeros_like(out)
-        return out
+        return out if self.holds_sum(coords) else torch.zeros_like(out)
+
+    def holds_sum(self, coords: Mapping[str, int]) -> bool:
+        """Does the rank at `coords` hold the whole shard in its summand (`summand`): coordinate 0 of
+        every partial-sum axis (any rank, without one)?"""
+        return all(coords.get(a, 0) == 0 for a in self.partial)
 
 
 def axes_known(layout: Mapping[str, Any], sizes: Mapping[str, int]) -> bool:
