@@ -11,10 +11,10 @@ import fnmatch
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core")
 
+import worker_processes  # noqa: E402
 from recomputation import assert_recomputed_and_traced_as_without  # noqa: E402
 
 from orchestrator.check import run_checks  # noqa: E402
@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
 def plans() -> dict:
     """Each of two gloo ranks builds the model under every PHASES layout: plans, renamings, QKV outputs."""
     world = 2
-    ctx = mp.get_context("spawn")
+    ctx = worker_processes.context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]

@@ -2,8 +2,8 @@
 all TP ranks, tied embeddings) on every dense layout, ZeRO-1, and their bug switches — each reassembled
 with the plan's layouts (ZeRO grads: the DP-sharded optimizer view) and compared with one process.
 
-Same harness as test_workload_numerics.py: one torch.multiprocessing spawn of 4 reused workers, narrow
-jobs two at a time (in_lanes).
+Same harness as test_workload_numerics.py: 4 reused worker processes, narrow jobs two at a time
+(in_lanes).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_workload_numerics import BASE, NOISE_K, RTOL, Recorder, _rel, in_lanes, run_in_process
+from worker_processes import start_workers
 
 from orchestrator.rank_tasks import free_port
 from tracer import Layout, Replicate
@@ -129,7 +129,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              for p in ("single", "dp2_zero1", "pp2_vpp2", "cp2")]
     jobs += [(f"moe-{p}", moe_spec(p), free_port()) for p in ("single", *MOE_PARALLEL)]
     jobs += [(f"moe-{p}+{b}", moe_spec(p, b), free_port()) for b, p in MOE_BUGGY.items()]
-    mp.spawn(_worker, args=(in_lanes(jobs), str(out)), nprocs=NPROCS, join=True)
+    start_workers(_worker, (in_lanes(jobs), str(out)), NPROCS)
     runs = {}
     for name, spec, _ in jobs:
         shards = [torch.load(out / f"{name}.{r}.pt", weights_only=False)

@@ -1,7 +1,7 @@
 """Numerics of the built-in GPT workload: every parallel layout matches the single-process run.
 
-One torch.multiprocessing spawn of 4 worker processes runs every job in turn, so torch is imported
-once per worker: 4-rank jobs on all of them, narrower jobs two at a time side by side (`in_lanes`).
+4 worker processes (forked with torch imported, tests/ray/worker_processes.py) run every job in turn:
+4-rank jobs on all of them, narrower jobs two at a time side by side (`in_lanes`).
 Workers reuse their process, as Ray's do, which also checks that the job tears its process group
 down. Ranks trace into an in-memory recorder (tracing to the store is disabled); the parent
 reassembles every parameter and gradient with the plan's layouts and compares it with the reference.
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from worker_processes import start_workers
 
 from orchestrator.rank_tasks import free_port
 from tracer import Layout, Replicate, param_layouts
@@ -181,7 +181,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     jobs = [(p, make_spec(p), free_port()) for p in PARALLEL]
     jobs += [(f"{p}+{b}", make_spec(p, b), free_port()) for b, p in BUGGY.items()]
     jobs += [(p, make_spec("single", perturb_seed=i + 1), free_port()) for i, p in enumerate(PERTURBED)]
-    mp.spawn(_worker, args=(in_lanes(jobs), str(out)), nprocs=NPROCS, join=True)
+    start_workers(_worker, (in_lanes(jobs), str(out)), NPROCS)
     runs = {}
     for name, spec, _ in jobs:
         shards = [torch.load(out / f"{name}.{r}.pt", weights_only=False)
