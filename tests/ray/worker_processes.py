@@ -1,7 +1,11 @@
 """Rank processes for the tests that run jobs outside Ray (torch.multiprocessing): forked from
 multiprocessing's forkserver, a clean process started (fresh) at the suite's first use, which imports
 torch and the built-in workload once. Spawned instead, every worker imported them itself, with the test
-module: the two numerics modules took 46 s here, 29 s forked."""
+module: the two numerics modules took 46 s here, 29 s forked.
+
+A forked worker starts with the environment the server started with (its first use in the session),
+not the caller's at the call: a job that needs a variable sets it itself, as run_in_process does
+for its rank's."""
 
 from __future__ import annotations
 
