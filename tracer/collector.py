@@ -26,7 +26,6 @@ from tracer.layouts import Layout, Replicate
 from tracer.module_calls import ModuleCalls
 from tracer.plan import Plan, Rename, logical_names, param_layouts, traced_modules
 from tracer.routing import ROUTER_TYPES, hand_on_reference
-from tracer.snapshot import INTERNED, interned
 from tracer.writer import TraceWriter
 
 _PARAM_KINDS = frozenset(("param_grad", "param"))
@@ -280,8 +279,7 @@ class Tracer:
             if grads:   # a recomputation's too: it fires on the output backward runs through (module_calls)
                 on_grad(out, grad_hook_for(step, mb, at))
             if again is None:
-                size = out.shape
-                calls.ran(path, mb, at, INTERNED.get(size) or interned(size))   # tracer.module_calls.Call
+                calls.ran(path, mb, at, out.shape)   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 
 from tracer.errors import TraceError
+from tracer.snapshot import INTERNED, interned
 
 in_backward = torch._C._current_graph_task_id   # -1 outside autograd's backward (a plain C call)
 
@@ -71,13 +72,13 @@ class ModuleCalls:
         count[path] = k + 1
         return path if k == 0 else f"{path}#{k}"
 
-    def ran(self, path: str, microbatch: int | None, at: str, shape: tuple[int, ...]) -> None:
-        """A forward of `path` ran (not a recomputation): Call's fields, the shape interned
+    def ran(self, path: str, microbatch: int | None, at: str, shape: torch.Size) -> None:
+        """A forward of `path` ran (not a recomputation): Call's fields, kept with the shape interned
         (tracer.snapshot.interned). Per traced module call, on the training thread's path."""
         calls = self._open.get(path)
         if calls is None:
             calls = self._open[path] = deque()
-        calls += (microbatch, at, shape)
+        calls += (microbatch, at, INTERNED.get(shape) or interned(shape))
 
     def recomputed(self, path: str, step: int, shape: torch.Size) -> Call:
         """The forward that this recomputation of `path` in backward repeats (module doc)."""

@@ -44,6 +44,11 @@ def slot_columns(cells: list[Any]) -> list[list[Any]]:
     return [cells[i::SLOT_CELLS] for i in range(SLOT_CELLS)]
 
 
+def slot_tuples(cells: list[Any]) -> list[tuple]:
+    """Slot fields laid flat as one tuple per slot, in order."""
+    return list(zip(*slot_columns(cells), strict=True))
+
+
 class Part:
     """A slab being filled, then written (module doc)."""
 
@@ -64,7 +69,7 @@ class Part:
 
     def slots(self) -> list[tuple]:
         """Each snapshot's Slot fields, in slab order."""
-        return list(zip(*slot_columns(self.cells), strict=True))
+        return slot_tuples(self.cells)
 
     def typed_view(self, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         size = dtype.itemsize

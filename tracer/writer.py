@@ -44,6 +44,7 @@ from tracer.snapshot import (
     Slot,
     interned,
     slot_columns,
+    slot_tuples,
     snapshot,
     wait_for_copies,
 )
@@ -195,7 +196,7 @@ class TraceWriter:
                     kept = [x for slot in slots if slot[5] for x in slot]
                     del slots
                 if kept and not (self._direct and self._write_direct(name, part, kept)):
-                    self._write(name, part, [Slot._make(s) for s in zip(*slot_columns(kept), strict=True)])
+                    self._write(name, part, [Slot._make(s) for s in slot_tuples(kept)])
                 del kept
             except BaseException as e:  # surfaced to the training thread on the next add/close
                 self._error = e

@@ -223,7 +223,7 @@ class DTensorTracer(Tracer):
                     return None if ref is None else _like(ref, grad)
                 on_grad(out, grad_hook)
             if again is None:
-                calls.ran(path, mb, at, tuple(out.shape))   # tracer.module_calls.Call
+                calls.ran(path, mb, at, out.shape)   # tracer.module_calls.Call
             if feed is None:
                 return None
             return (out, *output[1:]) if is_seq else out
