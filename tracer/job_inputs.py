@@ -22,6 +22,8 @@ from tracer.generator import token_batch
 from tracer.parameters import init_parameters, logical_params, mesh_axes_of, param_layout_map
 from tracer.plan import Plan, Rename, logical_names
 
+Cut = Callable[[torch.Tensor], torch.Tensor]   # a sliced state tensor cut to what the optimizer steps
+
 
 def _dtensor(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
@@ -85,15 +87,16 @@ class JobInputs:
 
     @torch.no_grad()
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, model: nn.Module,
-                             plan: Plan | None = None, *, params: Sequence[torch.Tensor] | None = None,
-                             shard: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                             plan: Plan | None = None, *, params: Sequence[torch.Tensor | None] | None = None,
+                             shard: Cut | Sequence[Cut | None] | None = None,
                              rename: Rename | None = None, coords: Mapping[str, int] | None = None,
                              sizes: Mapping[str, int] | None = None) -> bool:
         """Adam's state (exp_avg, exp_avg_sq, step) from `init.checkpoint`, sliced like the parameters;
         False (the optimizer starts fresh) without a checkpoint or when it holds no optimizer state.
         `params`: the tensors `optimizer` steps, one per parameter in `model.named_parameters()` order
-        (FP32 master copies; default the parameters); `shard(t)` cuts a sliced state tensor further
-        (ZeRO-1: this DP rank's chunk)."""
+        (FP32 master copies; default the parameters; None: this rank steps none of that parameter);
+        `shard(t)` cuts a sliced state tensor further (ZeRO-1: this DP rank's chunk), one for all
+        parameters or one per parameter (None: not cut)."""
         ck = self.checkpoint
         if ck is None or not ck.optimizer:
             return False
@@ -104,11 +107,17 @@ class JobInputs:
         if len(owners) != len(named):
             raise ConfigError(f"load_optimizer_state: {len(owners)} optimizer tensors for {len(named)} "
                               "parameters; pass one per parameter, in model.named_parameters() order")
-        for (gname, _, layout, _), owner in zip(named.values(), owners, strict=True):
+        cuts = list(shard) if isinstance(shard, Sequence) else [shard] * len(owners)
+        if len(cuts) != len(owners):
+            raise ConfigError(f"load_optimizer_state: {len(cuts)} shard cuts for {len(owners)} parameters; "
+                              "pass one per parameter, in model.named_parameters() order")
+        for (gname, _, layout, _), owner, cut in zip(named.values(), owners, cuts, strict=True):
+            if owner is None:   # another rank steps this parameter (a distributed optimizer's range)
+                continue
             state: dict[str, Any] = {"step": torch.tensor(float(ck.step))}
             for k, full in ck.adam_state(gname).items():
                 local = layout.local(full, coords, sizes)
-                local = shard(local) if shard is not None else local
+                local = cut(local) if cut is not None else local
                 state[k] = _like(local, owner, f"{gname}.{k}")
             optimizer.state[owner] = state
         return True

@@ -249,6 +249,13 @@ CATALOG.update({b.name: b for b in (
         "decoder.final_layernorm grad_output at step 0 (the output layer's input grad: first in backward)",
         trigger=("job=megatron_core", "parallel=tp2_sp"), expect="decoder.final_layernorm/grad_output",
         job="megatron_core"),
+    Bug("megatron_zero1_gather_offset_wrong",
+        "megatron-core DistributedOptimizer: the all-gather of the updated parameter shards "
+        "(_ParamAndGradBucketGroup.start_param_sync) lands shard i at offset i-1 of the param buffer",
+        18, "zero1, dp>1 (trigger: job=megatron_core parallel=dp2_zero1)",
+        "the first parameter after the step 0 update (param kind): embedding.word_embeddings.weight",
+        trigger=("job=megatron_core", "parallel=dp2_zero1"), expect="embedding.word_embeddings/param",
+        job="megatron_core", source="BUGS.md #18, in megatron-core's own distributed optimizer"),
 )})
 # -- PyTorch-native (DTensor plans, FSDP2, pipelining)
 CATALOG.update({b.name: b for b in (

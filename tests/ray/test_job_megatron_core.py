@@ -4,7 +4,8 @@ Unit (no Ray, two gloo processes): the plan read from megatron's module attribut
 layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 output (per-group
 layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes with
 megatron's own full activation recomputation, and a bug injected into megatron-core (run without
-recomputation) exits 1 at the module the catalog names, which the isolation pass confirms.
+recomputation) exits 1 at the module the catalog names, which the isolation pass confirms; and under
+megatron's DistributedOptimizer (zero1) the clean check passes and a misplaced param all-gather is named.
 """
 
 import fnmatch
@@ -144,6 +145,7 @@ def test_layer_renaming_pp2_from_layer_numbers(plans):
 # One catalog bug injected into megatron-core, with the isolation pass (every rank a fresh process
 # importing megatron-core, ~6 s of CPU each); the other megatron bugs: `make bench-bugs`.
 BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"][:1]
+ZERO1_BUG = "megatron_zero1_gather_offset_wrong"
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +157,13 @@ def results(ray_cluster, tmp_path_factory):
     # tracing, and the recomputation besides.
     items = [(compose(["parallel=tp2_sp", "parallel.recompute=full", *common]), work / "clean-tp2_sp")]
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
+    # megatron's DistributedOptimizer (ZeRO-1 over dp=2), clean and with its param all-gather misplaced
+    # (localize=false: the isolation pass on megatron's modules is the bug above's to show).
+    items += [(compose(["parallel=dp2_zero1", *common]), work / "clean-dp2_zero1"),
+              (compose([*bugs.CATALOG[ZERO1_BUG].trigger, f"bug={ZERO1_BUG}", "localize=false", *common]),
+               work / ZERO1_BUG)]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip(["clean-tp2_sp", *BUGGY], out, strict=True))
+    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG], out, strict=True))
 
 
 def test_clean_megatron_tp2_sp_passes(results):
@@ -179,3 +186,20 @@ def test_megatron_bug_is_localized(results, bug):
     assert culprit["resolved"] and fnmatch.fnmatch(f"{culprit['module']}/{culprit['kind']}",
                                                    bugs.CATALOG[bug].expect), culprit
     assert res.report["blame_window"]["size"] == 1
+
+
+def test_megatron_distributed_optimizer_clean_passes_and_its_misplaced_gather_is_named(results):
+    """Under zero1 each rank records only the grad ranges megatron's DistributedOptimizer owns (zeros
+    elsewhere, a partial sum over dp): the clean check passes only if those ranges add up to the reduced
+    grad, and the bug (which patches the distributed optimizer's own all-gather, so it acts only if that
+    optimizer runs) fails at the first parameter after the first update, its grads all within tolerance."""
+    clean, buggy = results["clean-dp2_zero1"], results[ZERO1_BUG]
+    assert clean.verdict == "pass" and clean.exit_code == 0, (clean.report.get("first_divergence")
+                                                              or clean.message)
+    grads = [t for t in clean.report["tensors"] if t["kind"] == "param_grad"]
+    assert len(grads) > 20 and all(t["ok"] for t in grads)
+    assert buggy.verdict == "fail" and buggy.exit_code == 1, buggy.message
+    fd = buggy.report["first_divergence"]
+    assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[ZERO1_BUG].expect), fd
+    assert fd["name"].startswith("0/") and all(t["ok"] for t in buggy.report["tensors"]
+                                               if t["kind"] == "param_grad" and t["step"] == 0)

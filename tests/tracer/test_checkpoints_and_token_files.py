@@ -87,6 +87,31 @@ def test_a_zero1_shard_of_the_adam_state(tmp_path):
     assert torch.equal(adam.state[masters[0]]["exp_avg"], opt.state[w]["exp_avg"].chunk(2, 0)[0])
 
 
+def test_a_distributed_optimizers_flat_ranges_of_the_adam_state(tmp_path):
+    """megatron's DistributedOptimizer: a rank steps a flat range of some parameters and none of others
+    (workloads/adapters/megatron_core.py): one cut per parameter, None where the rank owns nothing."""
+    directory, ref, opt = trained_checkpoint(tmp_path)
+    tr = session({"init": {"checkpoint": directory}})
+    model = full_model()
+    tr.init_weights(model)
+    ranges = [(3, 20), None, (0, 8), None, (5, 24), (1, 3)]   # per parameter, named_parameters() order
+    owners = [None if r is None else p.detach().reshape(-1)[r[0]:r[1]].clone()
+              for p, r in zip(model.parameters(), ranges, strict=True)]
+    adam = torch.optim.Adam([o for o in owners if o is not None])
+    cuts = [None if r is None else (lambda t, r=r: t.reshape(-1)[r[0]:r[1]]) for r in ranges]
+    assert tr.load_optimizer_state(adam, model, params=owners, shard=cuts)
+    full = list(ref.parameters())
+    for owner, r, p in zip(owners, ranges, full, strict=True):
+        if r is None:
+            assert owner is None
+            continue
+        want = opt.state[p]["exp_avg_sq"].reshape(-1)[r[0]:r[1]]
+        assert torch.equal(adam.state[owner]["exp_avg_sq"], want)
+    assert len(adam.state) == 4
+    with pytest.raises(ConfigError, match="2 shard cuts for 6 parameters"):
+        tr.load_optimizer_state(adam, model, params=owners, shard=cuts[:2])
+
+
 def _rewrite(directory: str, change) -> str:
     """The checkpoint's weights changed by `change(dict)`, written again as a checkpoint."""
     ck = open_checkpoint(directory)

@@ -2,11 +2,17 @@
 finalization, run on CPU (gloo) and traced by ttrace.
 
 The model is megatron-core's `GPTModel` with its local (non-Transformer-Engine) layer spec; its TP/SP
-layers, `DistributedDataParallel`, `get_forward_backward_func()` schedules and `finalize_model_grads`
-are the real library code. This adapter only builds them from the recipe, initializes weights
-consistently (tracer.full_tensor, sliced by the plan read from megatron's module attributes), and
-runs Adam with megatron's grad-norm clipping rule. The CPU shims live in `megatron_shims`. It is an
-entrypoint of the job contract (`main`) on the shared per-rank harness (workloads/harness.py).
+layers, `DistributedDataParallel`, `get_forward_backward_func()` schedules, `finalize_model_grads` and
+optimizer (`get_megatron_optimizer`: Adam under its grad-norm clipping, and with `parallel.zero1` its
+`DistributedOptimizer`, ZeRO-1 over DP) are the real library code. This adapter only builds them from
+the recipe and initializes weights consistently (tracer.full_tensor, sliced by the plan read from
+megatron's module attributes). The CPU shims live in `megatron_shims`. It is an entrypoint of the job
+contract (`main`) on the shared per-rank harness (workloads/harness.py).
+
+Under the distributed optimizer, each DP rank's grad buffer holds the reduced grad only in the range
+of each parameter it owns (the rest is its own unreduced contribution): a rank records each parameter's
+grad as those elements and zeros elsewhere, a partial sum over `dp` whose ranks' summands add up to the
+reduced grad exactly (`_owned_grads`). A range that two ranks own, or none, shows in that sum.
 
 Bugs (workloads/bugs.py, `job="megatron_core"`) are injected by patching the real megatron-core
 function at fault for the duration of the job (`_inject`).
@@ -16,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tracer import Replicate, param_layouts
+from tracer import Layout, Replicate, param_layouts
 from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
@@ -53,7 +58,6 @@ def validate(spec: Mapping[str, Any]) -> None:
     for key in ("cp", "ep", "vpp"):
         need(int(p.get(key, 1) or 1) == 1, f"{key}={p.get(key)} is not supported by the megatron-core "
              "adapter (supported: tp, sp, pp, dp); use parallel=tp2, tp2_sp or pp2")
-    need(not p.get("zero1"), "zero1 (megatron's distributed optimizer) needs CUDA; use parallel=tp2_sp")
     tp, pp, ws = int(p.get("tp", 1)), int(p.get("pp", 1)), int(p["world_size"])
     need(ws % (tp * pp) == 0, f"world_size={ws} is not a multiple of tp*pp={tp * pp}")
     dp = ws // (tp * pp)
@@ -99,6 +103,20 @@ def _inject(bug: str) -> Iterator[None]:
             output.copy_(input.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
             return _Done() if async_op else None
         patches.append((layers, "dist_reduce_scatter_func", reduce_scatter_without_reduce))
+    elif bug == "megatron_zero1_gather_offset_wrong":
+        buffers = importlib.import_module("megatron.core.distributed.param_and_grad_buffer")
+        group_cls = buffers._ParamAndGradBucketGroup
+        real_sync = group_cls.start_param_sync
+
+        def start_param_sync_rotated(self, force_sync=False):  # noqa: ANN001, ANN202 - megatron's signature
+            real_sync(self, force_sync)
+            # BUG: the distributed optimizer's all-gather of the updated parameter shards lands shard i
+            # at offset i-1 (synchronous here: overlap_param_gather is off).
+            for bucket in self.buckets:
+                dp = self.intra_distributed_optimizer_instance_size
+                shards = buffers.shard_buffer(bucket.param_data, dp)
+                bucket.param_data.copy_(torch.cat(shards[1:] + shards[:1]))
+        patches.append((group_cls, "start_param_sync", start_param_sync_rotated))
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, new in patches:
         setattr(obj, attr, new)
@@ -159,26 +177,6 @@ def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:
                     share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """megatron's rule (optimizer/clip_grads.py, which allocates on CUDA): squares of grads of params
-    that are not TP duplicates, summed over the model-parallel group."""
-    from megatron.core import parallel_state as mps
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    grads = [p.main_grad for p in params if p.main_grad is not None]
-    sq = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if param_is_not_tensor_parallel_duplicate(p):
-            sq = sq + p.main_grad.float().pow(2).sum()
-    dist.all_reduce(sq, group=mps.get_model_parallel_group())
-    total = math.sqrt(sq.item())
-    coef = max_norm / (total + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
 # -- entry point ---------------------------------------------------------------------------------
 def main(session: Session | None = None) -> dict[str, Any]:
     """One rank of the megatron-core job (an entrypoint of the job contract)."""
@@ -214,15 +212,15 @@ def _train(job: harness.RankJob) -> list[float]:
     plan, rename = plan_for(model), layer_renaming(model)   # the integration (README)
     tracer.init_weights(model, plan, rename=rename, coords=coords, sizes=sizes)
     tensor_parallel_attrs(model, plan)
+    zero1 = bool(p.get("zero1"))
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        overlap_grad_reduce=False, use_distributed_optimizer=False, bucket_size=None), model)
+        overlap_grad_reduce=False, use_distributed_optimizer=zero1, bucket_size=None), model)
     tracer.attach(model, plan, rename=rename, coords=coords, sizes=sizes, meta={"pp_stage": coords["pp"]})
     m_local, mbs = cfg.micro_batches_local, cfg.micro_batch
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
-    params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                 foreach=False)
-    tracer.load_optimizer_state(optimizer, model, plan, params=params, rename=rename, coords=coords,
+    optimizer = _optimizer(ddp, cfg, zero1)
+    adam, owners, shards = _adam_tensors(optimizer, model)
+    tracer.load_optimizer_state(adam, model, plan, params=owners, shard=shards, rename=rename, coords=coords,
                                 sizes=sizes)   # init.checkpoint's Adam state, when it holds one
     seq = cfg.model.seq_len
     mask = megatron_shims.causal_mask(seq)
@@ -259,19 +257,69 @@ def _train(job: harness.RankJob) -> list[float]:
                                  num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
                                  forward_only=False)
                 faults.maybe_inject(spec, job.rank, step)
-                finalize_model_grads([ddp])   # DP all-reduce, SP LayerNorm grads over TP, embeddings
-                tracer.record_param_grads(model)
-                clip_grad_norm(params, cfg.clip_grad)
-                for q in params:
-                    q.grad = q.main_grad
+                # DP all-reduce (zero1: reduce-scatter), SP LayerNorm grads over TP, embeddings
+                finalize_model_grads([ddp])
+                if zero1:
+                    tracer.record_param_grad_shards(_owned_grads(optimizer, model, plan))
+                else:
+                    tracer.record_param_grads(model)
                 scheduler.set(optimizer)
-                optimizer.step()
+                with megatron_shims.cuda_tensor_types():
+                    optimizer.step()   # clips by the global grad norm; zero1: all-gathers the params
                 scheduler.step(cfg.global_batch)
                 tracer.record_params(model)
             if last:
                 step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
-    tracer.save_checkpoint(model, optimizer, params=params, rename=rename)   # checkpoint.save (reference)
+    tracer.save_checkpoint(model, adam, params=owners, rename=rename)   # checkpoint.save (reference)
     return step_losses
+
+
+def _optimizer(ddp: Any, cfg: Any, zero1: bool) -> Any:
+    """megatron's optimizer for the model: Adam (torch's, where neither Transformer Engine nor apex is
+    installed) with its global grad-norm clipping; with `zero1` its DistributedOptimizer."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
+                             adam_eps=1e-8, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
+                             use_distributed_optimizer=zero1)
+    with megatron_shims.cuda_tensor_types():
+        return get_megatron_optimizer(config, [ddp])
+
+
+def _adam_tensors(optimizer: Any, model: nn.Module) -> tuple[torch.optim.Optimizer, list[Any], list[Any]]:
+    """The torch optimizer inside megatron's, and per parameter (model.named_parameters() order) the tensor
+    it steps and how to cut a parameter-shaped state tensor to it (tracer.Session.load_optimizer_state):
+    the parameter itself, or under the distributed optimizer this rank's flat range of it (None where the
+    rank owns none of it)."""
+    (inner,) = optimizer.chained_optimizers   # one: no expert parameters
+    adam = inner.optimizer
+    if not hasattr(inner, "shard_fp32_groups"):   # FP32Optimizer: steps the parameters themselves
+        return adam, [q for _, q in model.named_parameters()], [None] * len(list(model.parameters()))
+    shard_of = {id(m): s for mg, sg in zip(inner.model_fp32_groups, inner.shard_fp32_groups, strict=True)
+                for m, s in zip(mg, sg, strict=True)}
+    owners, cuts = [], []
+    for _, q in model.named_parameters():
+        owners.append(shard_of.get(id(q)))
+        r = inner._get_model_param_range_map(q)["param"] if id(q) in shard_of else None
+        cuts.append(None if r is None else (lambda t, r=r: t.reshape(-1)[r.start:r.end]))
+    return adam, owners, cuts
+
+
+def _owned_grads(optimizer: Any, model: nn.Module,
+                 plan: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Layout]]:
+    """Each parameter's grad as the distributed optimizer holds it after the reduce-scatter (module doc):
+    the reduced elements of the ranges this rank owns, zeros elsewhere, a partial sum over dp."""
+    (inner,) = optimizer.chained_optimizers
+    layouts = param_layouts(model, plan)
+    out = {}
+    for name, q in model.named_parameters():
+        grad = torch.zeros_like(q.main_grad)
+        if q in inner.model_param_gbuf_map:
+            r = inner._get_model_param_range_map(q)["param"]
+            grad.view(-1)[r.start:r.end] = q.main_grad.view(-1)[r.start:r.end]
+        lay = layouts[name]
+        out[name] = (grad, Layout(lay.shard, (*lay.partial, "dp"), lay.zigzag))
+    return out
 
 
 def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:

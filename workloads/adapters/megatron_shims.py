@@ -3,19 +3,25 @@
 megatron-core assumes CUDA in four places the tiny GPT touches: tensors allocated on
 `torch.cuda.current_device()`, the CUDA RNG tracker's `fork()` around weight init and dropout, the
 CUDA RNG state that activation recomputation (its CheckpointFunction) saves and restores, and CUDA
-synchronization in its pipeline p2p code (plus one literal `device="cuda"` in its schedules).
+synchronization in its pipeline p2p code; besides, literal `device="cuda"` allocations in its
+schedules, optimizers, grad clipping and multi-tensor fallbacks, and type checks that want
+`torch.cuda.FloatTensor` in its optimizers and grad clipping.
 On a machine without CUDA, `install()` points the first at the CPU, makes the second a null context
 (dropout is off and weights come from ttrace's consistent generator, so no RNG stream is needed), the
 third a state of nothing (the CPU generator's state is saved and restored beside it, as on a GPU) and
-the fourth a no-op. Two more stand-ins: megatron's unfused softmax needs an explicit boolean causal
-mask (`causal_mask`), and its torch LayerNorm wrapper refuses sequence parallelism (`TorchNorm`).
-Nothing here changes numerics. With CUDA present, `install()` does nothing.
+the fourth a no-op; the literal allocations land on the CPU (`_CpuTorch`), and `cuda_tensor_types()`
+names a CPU tensor's type as its CUDA twin while megatron's optimizer is built and stepped. Two more
+stand-ins: megatron's unfused softmax needs an explicit boolean causal mask (`causal_mask`), and its
+torch LayerNorm wrapper refuses sequence parallelism (`TorchNorm`). Nothing here changes numerics.
+With CUDA present, `install()` does nothing and `cuda_tensor_types()` changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -35,10 +41,39 @@ def install() -> None:
     mrandom.CudaRNGStatesTracker.add = lambda self, name, seed: None
     mrandom._get_cuda_rng_state = lambda *a, **k: None   # recomputation's CUDA generator state
     mrandom._set_cuda_rng_state = lambda *a, **k: None
-    from megatron.core.pipeline_parallel import schedules
-
-    schedules.torch = _CpuTorch()   # its token counter is allocated with a literal device="cuda"
+    # Modules that allocate with a literal device="cuda": the schedules' token counter, the optimizers'
+    # scale and found-inf flags, grad clipping's norm, and the multi-tensor fallbacks' l2 norm.
+    for name in _LITERAL_CUDA:
+        importlib.import_module(name).torch = _CpuTorch()
     _installed = True
+
+
+_LITERAL_CUDA = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
+                 "megatron.core.utils")
+
+
+@contextlib.contextmanager
+def cuda_tensor_types() -> Iterator[None]:
+    """While megatron's optimizer is built or stepped: `tensor.type()` of a CPU tensor names its CUDA
+    twin ('torch.cuda.FloatTensor'), which its param-group builder and grad clipping require of every
+    parameter and grad. Scoped, since the whole process shares `torch.Tensor`. No-op with CUDA."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.Tensor.type
+
+    def cuda_named(self: torch.Tensor, dtype: object = None, non_blocking: bool = False,
+                   **kw: object) -> object:
+        if dtype is None and not kw and self.device.type == "cpu":
+            return "torch.cuda." + real(self).removeprefix("torch.")
+        return real(self) if dtype is None else real(self, dtype, non_blocking, **kw)
+
+    torch.Tensor.type = cuda_named   # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real   # type: ignore[method-assign]
 
 
 class _CpuTorch(types.ModuleType):
@@ -53,6 +88,10 @@ class _CpuTorch(types.ModuleType):
     @staticmethod
     def zeros(*args: object, device: object = None, **kwargs: object) -> torch.Tensor:
         return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    @staticmethod
+    def tensor(*args: object, device: object = None, **kwargs: object) -> torch.Tensor:
+        return torch.tensor(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
