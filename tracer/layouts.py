@@ -26,6 +26,16 @@ class Layout:
     # Sharded axes split load-balanced ("zigzag", context parallelism): the dim is cut into 2n chunks
     # and coordinate i holds chunks i and 2n-1-i, concatenated (causal attention work evens out).
     zigzag: tuple[str, ...] = ()
+    # Partial axes whose summands have disjoint supports: each element is nonzero in at most one
+    # coordinate's summand (a distributed optimizer's grad ranges, each rank's own range and zeros
+    # elsewhere). The sum is the same; their statistics add up as shards' do (tracer/stats.py), so stats
+    # mode and scans need not keep their values.
+    disjoint: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not set(self.disjoint) <= set(self.partial):
+            raise TraceError(f"layout: disjoint axes {self.disjoint} must be partial-sum axes "
+                             f"(partial: {self.partial})")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -35,12 +45,14 @@ class Layout:
         out: dict[str, Any] = {"shard": [list(s) for s in self.shard], "partial": list(self.partial)}
         if self.zigzag:
             out["zigzag"] = list(self.zigzag)
+        if self.disjoint:
+            out["disjoint"] = list(self.disjoint)
         return out
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> Layout:
         return Layout(tuple((int(dim), str(ax)) for dim, ax in d.get("shard", ())),
-                      tuple(d.get("partial", ())), tuple(d.get("zigzag", ())))
+                      tuple(d.get("partial", ())), tuple(d.get("zigzag", ())), tuple(d.get("disjoint", ())))
 
     def local(self, full: torch.Tensor, coords: Mapping[str, int], sizes: Mapping[str, int]) -> torch.Tensor:
         """This rank's shard of a full logical tensor (a view; partial sums cannot be sliced)."""

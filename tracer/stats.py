@@ -10,7 +10,9 @@ They combine into the LOGICAL tensor's statistics (`combine`) the way the tensor
 replicas must agree bitwise, so their hashes must be equal (the replica check). Partial sums
 (unreduced shards that add up to the tensor) do not combine (the norm of a sum is not a function of
 the summands' norms): in stats mode they are recorded in full and their statistics computed from
-the reassembled tensor at comparison time (`PARTIAL_IN_FULL`).
+the reassembled tensor at comparison time (`PARTIAL_IN_FULL`). Except partial sums with disjoint
+supports (`Layout.disjoint`: a distributed optimizer's grad ranges, zeros elsewhere), whose sums of
+squares, sums and maxima add up as shards' do.
 
 The same functions serve a per-step scan (issue 18): `local_stats` of a list of tensors, `combine`
 of the ranks' records, `Stat` to compare.
@@ -36,8 +38,8 @@ PARTIAL_IN_FULL = True   # stats mode records partial-sum layouts in full (modul
 
 def kept_in_full(layout: Mapping[str, Any]) -> bool:
     """Whether stats mode and a scan's log keep this tensor's values (its layout as a manifest records
-    it): a partial sum's (module doc)."""
-    return PARTIAL_IN_FULL and bool(layout.get("partial"))
+    it): a partial sum's, unless its summands are disjoint (module doc)."""
+    return PARTIAL_IN_FULL and bool(set(layout.get("partial", ())) - set(layout.get("disjoint", ())))
 
 
 @dataclass
@@ -154,8 +156,9 @@ Piece = tuple[Mapping[str, int], Mapping[str, Any], int, float]   # (coords, rec
 
 def combine(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[str, int]) -> Stat:
     """The logical tensor's statistics from every rank's (coords, recorded stats, rank, scale)."""
-    if layout.partial:
-        raise TraceError(f"{name}: partial sums over {layout.partial} cannot be combined from statistics; "
+    overlapping = tuple(a for a in layout.partial if a not in layout.disjoint)
+    if overlapping:
+        raise TraceError(f"{name}: partial sums over {overlapping} cannot be combined from statistics; "
                          "stats mode records them in full (a trace written otherwise is corrupt)")
     if not pieces:
         raise TraceError(f"{name}: no shard was traced by any rank")
@@ -186,8 +189,9 @@ def combine(name: str, layout: Layout, pieces: Sequence[Piece], sizes: Mapping[s
     if len(chosen) == 1:
         out = chosen[0]
     else:   # a hash of the shards' hashes: identifies the content under this layout only
+        summands = math.prod(int(sizes[a]) for a in layout.partial)   # disjoint: each the whole shape
         out = Stat(sum(c.sumsq for c in chosen), max(c.absmax for c in chosen), sum(c.sum for c in chosen),
-                   sum(c.numel for c in chosen),
+                   sum(c.numel for c in chosen) // summands,
                    xxhash.xxh3_64("|".join(c.hash for c in chosen).encode()).hexdigest())
     out.replica_differ, out.replica_err, out.replica_ranks = differ, err, worst
     return out

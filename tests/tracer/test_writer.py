@@ -24,7 +24,7 @@ from tracer.errors import TraceError
 from tracer.layouts import Layout
 from tracer.logical import load_logical
 from tracer.snapshot import DeviceCopier, Part, wait_for_copies
-from tracer.stats import combine, local_stats, of_tensor
+from tracer.stats import combine, kept_in_full, local_stats, of_tensor
 from tracer.store import read_run
 from tracer.writer import TraceWriter
 
@@ -395,6 +395,36 @@ def test_statistics_combined_across_shards_equal_the_full_tensors():
     assert skew.replica_differ == 1 and skew.replica_ranks == (2, 3) and skew.replica_err < 1e-6
     with pytest.raises(TraceError, match="partial sums"):
         combine("x", Partial("tp"), pieces, sizes)
+
+
+def test_disjoint_partial_sums_combine_from_statistics_and_their_values_are_not_kept():
+    """A distributed optimizer's grad ranges (workloads/adapters/megatron_core.py): each dp rank's summand
+    holds its range of the tp shard and zeros elsewhere, so the statistics of the sum are those the
+    summands add up to; an overlap (elements on both ranks) shows in them. Other partial sums are still
+    kept in full."""
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(6, 4, generator=g)
+    sizes = {"tp": 2, "dp": 2}
+    layout = Layout(shard=((0, "tp"),), partial=("dp",), disjoint=("dp",))
+    assert Layout.from_json(layout.to_json()) == layout
+    assert not kept_in_full(layout.to_json()) and kept_in_full(Partial("dp").to_json())
+
+    def pieces(ranges: tuple[tuple[int, int], tuple[int, int]]) -> list:
+        out = []
+        for rank, c in enumerate({"tp": t, "dp": d} for t in range(2) for d in range(2)):
+            shard = full.chunk(2, 0)[c["tp"]]
+            own, (lo, hi) = torch.zeros_like(shard), ranges[c["dp"]]
+            own.view(-1)[lo:hi] = shard.reshape(-1)[lo:hi]
+            out.append((c, local_stats([own])[0], rank, 1.0))
+        return out
+
+    got, want = combine("x", layout, pieces(((0, 5), (5, 12))), sizes), of_tensor(full)
+    assert got.numel == full.numel() and got.absmax == want.absmax
+    assert got.sumsq == pytest.approx(want.sumsq, rel=1e-6) and got.sum == pytest.approx(want.sum, abs=1e-5)
+    overlap = combine("x", layout, pieces(((0, 8), (5, 12))), sizes)   # elements 5..7 on both dp ranks
+    assert overlap.sumsq > want.sumsq * (1 + 1e-3)
+    with pytest.raises(TraceError, match="disjoint axes"):
+        Layout(partial=("tp",), disjoint=("dp",))
 
 
 def test_scaled_statistics_are_those_of_the_scaled_tensor():

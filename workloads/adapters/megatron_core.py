@@ -12,7 +12,8 @@ contract (`main`) on the shared per-rank harness (workloads/harness.py).
 Under the distributed optimizer, each DP rank's grad buffer holds the reduced grad only in the range
 of each parameter it owns (the rest is its own unreduced contribution): a rank records each parameter's
 grad as those elements and zeros elsewhere, a partial sum over `dp` whose ranks' summands add up to the
-reduced grad exactly (`_owned_grads`). A range that two ranks own, or none, shows in that sum.
+reduced grad exactly (`_owned_grads`). A range that two ranks own, or none, shows in that sum. The
+summands are disjoint (`Layout.disjoint`), so stats mode and scans keep their statistics, not their values.
 
 Bugs (workloads/bugs.py, `job="megatron_core"`) are injected by patching the real megatron-core
 function at fault for the duration of the job (`_inject`).
@@ -318,7 +319,7 @@ def _owned_grads(optimizer: Any, model: nn.Module,
             r = inner._get_model_param_range_map(q)["param"]
             grad.view(-1)[r.start:r.end] = q.main_grad.view(-1)[r.start:r.end]
         lay = layouts[name]
-        out[name] = (grad, Layout(lay.shard, (*lay.partial, "dp"), lay.zigzag))
+        out[name] = (grad, Layout(lay.shard, (*lay.partial, "dp"), lay.zigzag, ("dp",)))
     return out
 
 
