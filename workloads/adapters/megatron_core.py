@@ -314,6 +314,8 @@ def _owned_grads(optimizer: Any, model: nn.Module,
     layouts = param_layouts(model, plan)
     out = {}
     for name, q in model.named_parameters():
+        if not q.requires_grad:   # frozen: no grad buffer, no record (as record_param_grads)
+            continue
         grad = torch.zeros_like(q.main_grad)
         if q in inner.model_param_gbuf_map:
             r = inner._get_model_param_range_map(q)["param"]
