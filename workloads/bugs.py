@@ -256,6 +256,23 @@ CATALOG.update({b.name: b for b in (
         "the first parameter after the step 0 update (param kind): embedding.word_embeddings.weight",
         trigger=("job=megatron_core", "parallel=dp2_zero1"), expect="embedding.word_embeddings/param",
         job="megatron_core", source="BUGS.md #18, in megatron-core's own distributed optimizer"),
+    Bug("megatron_vpp_layer_offset_wrong",
+        "megatron-core get_transformer_layer_offset under virtual pipelining: a chunk's first layer by the "
+        "non-interleaved formula, so a rank's chunks hold consecutive layers (pp=2, vpp=2: rank 0 builds "
+        "layers 0 and 1, not 0 and 2) and each is initialized and traced as the wrong layer",
+        13, "pp>1, vpp>1 (trigger: job=megatron_core parallel=pp2_vpp2)",
+        "decoder.layers.1 (its input layernorm) at step 0: the first layer run out of place",
+        trigger=("job=megatron_core", "parallel=pp2_vpp2"), expect="decoder.layers.1.input_layernorm/output",
+        job="megatron_core", source="BUGS.md #13, in megatron-core's own layer numbering"),
+    Bug("megatron_vpp_pp2_p2p_crossed",
+        "megatron-core's interleaved schedule at pp=2 with batched p2p (its default batch_p2p_comm): a "
+        "rank's next and previous stage are one peer, and the activation and grad sent to it in one batch "
+        "pair first-in first-out with receives posted in the other order, so they cross",
+        0, "pp=2, vpp>1 (trigger: job=megatron_core parallel=pp2_vpp2)",
+        "decoder.layers.1 grad_output at step 0 (a later microbatch's tensors crossed)",
+        trigger=("job=megatron_core", "parallel=pp2_vpp2"), expect="decoder.layers.1/grad_output",
+        job="megatron_core",
+        source="https://github.com/NVIDIA/Megatron-LM/issues/750 (also #1450, PR #5271)"),
 )})
 # -- PyTorch-native (DTensor plans, FSDP2, pipelining)
 CATALOG.update({b.name: b for b in (

@@ -5,7 +5,8 @@ layouts, and the fused QKV projection's TP=2 shards reassemble into the TP=1 out
 layout). Integration (real Ray checks, one shared reference): the clean TP+SP check passes with
 megatron's own full activation recomputation, and a bug injected into megatron-core (run without
 recomputation) exits 1 at the module the catalog names, which the isolation pass confirms; and under
-megatron's DistributedOptimizer (zero1) the clean check passes and a misplaced param all-gather is named.
+megatron's DistributedOptimizer (zero1) the clean check passes and a misplaced param all-gather is named,
+and so for its interleaved pipeline (pp2 x vpp2) and chunks numbered by the non-interleaved formula.
 """
 
 import fnmatch
@@ -146,6 +147,7 @@ def test_layer_renaming_pp2_from_layer_numbers(plans):
 # importing megatron-core, ~6 s of CPU each); the other megatron bugs: `make bench-bugs`.
 BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"][:1]
 ZERO1_BUG = "megatron_zero1_gather_offset_wrong"
+VPP_BUG = "megatron_vpp_layer_offset_wrong"
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +161,16 @@ def results(ray_cluster, tmp_path_factory):
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
     # megatron's DistributedOptimizer (ZeRO-1 over dp=2), clean and with its param all-gather misplaced
     # (localize=false: the isolation pass on megatron's modules is the bug above's to show).
+    # And its interleaved pipeline (pp=2 x vpp=2), clean and with its chunks' layer numbers wrong.
     items += [(compose(["parallel=dp2_zero1", *common]), work / "clean-dp2_zero1"),
               (compose([*bugs.CATALOG[ZERO1_BUG].trigger, f"bug={ZERO1_BUG}", "localize=false", *common]),
-               work / ZERO1_BUG)]
+               work / ZERO1_BUG),
+              (compose(["parallel=pp2_vpp2", *common]), work / "clean-pp2_vpp2"),
+              (compose([*bugs.CATALOG[VPP_BUG].trigger, f"bug={VPP_BUG}", "localize=false", *common]),
+               work / VPP_BUG)]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG], out, strict=True))
+    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG, "clean-pp2_vpp2", VPP_BUG], out,
+                    strict=True))
 
 
 def test_clean_megatron_tp2_sp_passes(results):
@@ -203,3 +210,18 @@ def test_megatron_distributed_optimizer_clean_passes_and_its_misplaced_gather_is
     assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[ZERO1_BUG].expect), fd
     assert fd["name"].startswith("0/") and all(t["ok"] for t in buggy.report["tensors"]
                                                if t["kind"] == "param_grad" and t["step"] == 0)
+
+
+def test_megatron_interleaved_pipeline_clean_passes_and_misnumbered_chunks_are_named(results):
+    """megatron's interleaved 1F1B over two chunks per rank, traced as one model whose names drop the
+    chunk index (tracer.integrations.megatron_core.chunks_renaming): every layer of the reference is
+    matched, and chunks numbered by the non-interleaved formula fail at the first layer run out of place."""
+    clean, buggy = results["clean-pp2_vpp2"], results[VPP_BUG]
+    assert clean.verdict == "pass" and clean.exit_code == 0, (clean.report.get("first_divergence")
+                                                              or clean.message)
+    layers = {t["module"].split(".")[2] for t in clean.report["tensors"]
+              if t["module"].startswith("decoder.layers.")}
+    assert layers == {"0", "1", "2", "3"}
+    assert buggy.verdict == "fail" and buggy.exit_code == 1, buggy.message
+    fd = buggy.report["first_divergence"]
+    assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[VPP_BUG].expect), fd

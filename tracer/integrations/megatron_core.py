@@ -15,11 +15,12 @@ reassembles the TP=1 logical tensor with no permutation.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from torch import nn
 
 from tracer.layouts import Layout, Replicate, Shard
-from tracer.plan import LayerRenaming, ModuleLayout
+from tracer.plan import LayerRenaming, ModuleLayout, Rename
 
 SEQ, FEATURE = 0, -1   # megatron activations: [s, b, h]
 
@@ -98,3 +99,15 @@ def layer_renaming(model: nn.Module) -> LayerRenaming:
     prefix, table = next(iter(found.items())) if found else ("", {})
     index = tuple(table[i] for i in range(len(table)))
     return LayerRenaming(index, pattern=rf"^{re.escape(prefix)}layers\.(\d+)")
+
+
+def chunks_renaming(chunks: Sequence[nn.Module]) -> Rename:
+    """A rank's virtual-pipeline chunks held as one `nn.ModuleList` (names `<chunk>.<name>`): the chunk
+    index dropped and each chunk's layers numbered globally by their own `layer_number`
+    (`layer_renaming`), so pp=2 x vpp=2's rank 1 names its chunks' layers 1 and 3."""
+    renames = [layer_renaming(c) for c in chunks]
+
+    def rename(name: str) -> str:
+        head, _, rest = name.partition(".")
+        return renames[int(head)](rest) if head.isdigit() and int(head) < len(renames) else name
+    return rename

@@ -4,7 +4,8 @@ finalization, run on CPU (gloo) and traced by ttrace.
 The model is megatron-core's `GPTModel` with its local (non-Transformer-Engine) layer spec; its TP/SP
 layers, `DistributedDataParallel`, `get_forward_backward_func()` schedules, `finalize_model_grads` and
 optimizer (`get_megatron_optimizer`: Adam under its grad-norm clipping, and with `parallel.zero1` its
-`DistributedOptimizer`, ZeRO-1 over DP) are the real library code. This adapter only builds them from
+`DistributedOptimizer`, ZeRO-1 over DP) are the real library code, and with `parallel.vpp` its
+interleaved schedule over model chunks (one DDP each). This adapter only builds them from
 the recipe and initializes weights consistently (tracer.full_tensor, sliced by the plan read from
 megatron's module attributes). The CPU shims live in `megatron_shims`. It is an entrypoint of the job
 contract (`main`) on the shared per-rank harness (workloads/harness.py).
@@ -16,7 +17,8 @@ reduced grad exactly (`_owned_grads`). A range that two ranks own, or none, show
 summands are disjoint (`Layout.disjoint`), so stats mode and scans keep their statistics, not their values.
 
 Bugs (workloads/bugs.py, `job="megatron_core"`) are injected by patching the real megatron-core
-function at fault for the duration of the job (`_inject`).
+function at fault for the duration of the job, its model's build included (`_inject`), or, for
+`megatron_vpp_pp2_p2p_crossed`, by keeping megatron's default where the job changes it (`_config`).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def validate(spec: Mapping[str, Any]) -> None:
 
     need(m.get("arch", "gpt") == "gpt" and not m.get("experts"),
          "only the GPT architecture is wired to megatron-core's GPTModel; use model=gpt_tiny")
-    for key in ("cp", "ep", "vpp"):
+    for key in ("cp", "ep"):
         need(int(p.get(key, 1) or 1) == 1, f"{key}={p.get(key)} is not supported by the megatron-core "
-             "adapter (supported: tp, sp, pp, dp); use parallel=tp2, tp2_sp or pp2")
+             "adapter (supported: tp, sp, pp, vpp, dp); use parallel=tp2, tp2_sp, pp2 or pp2_vpp2")
     tp, pp, ws = int(p.get("tp", 1)), int(p.get("pp", 1)), int(p["world_size"])
     need(ws % (tp * pp) == 0, f"world_size={ws} is not a multiple of tp*pp={tp * pp}")
     dp = ws // (tp * pp)
@@ -66,10 +68,15 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(m["vocab"] % tp == 0, f"vocab={m['vocab']} must be divisible by tp={tp}")
     need(m["ffn_hidden"] % tp == 0, f"ffn_hidden={m['ffn_hidden']} must be divisible by tp={tp}")
     need(m["layers"] % pp == 0, f"layers={m['layers']} must be divisible by pp={pp}")
+    vpp = int(p.get("vpp", 1) or 1)
+    need(vpp == 1 or pp > 1, f"vpp={vpp} needs pp > 1 (model chunks per pipeline rank)")
+    need(m["layers"] % (pp * vpp) == 0, f"layers={m['layers']} must be divisible by pp*vpp={pp * vpp}")
     need(not p.get("sp") or (tp > 1 and m["seq_len"] % tp == 0),
          f"sp needs tp > 1 and seq_len={m['seq_len']} divisible by tp={tp}")
     gb, mb = int(spec["data"]["global_batch"]), int(spec["data"]["micro_batch"])
     need(gb % (mb * dp) == 0, f"global_batch={gb} must be divisible by micro_batch*dp={mb * dp}")
+    need(vpp == 1 or (gb // (mb * dp)) % pp == 0, f"megatron's interleaved schedule needs the rank's "
+         f"{gb // max(1, mb * dp)} microbatches to be a multiple of pp={pp}")
     need((spec.get("precision") or {}).get("name", "fp32") == "fp32",
          "only precision=fp32 runs on CPU (megatron-core's bf16/fp8 paths need CUDA/Transformer Engine)")
     bug = bugs.bug_name(spec)
@@ -118,6 +125,23 @@ def _inject(bug: str) -> Iterator[None]:
                 shards = buffers.shard_buffer(bucket.param_data, dp)
                 bucket.param_data.copy_(torch.cat(shards[1:] + shards[:1]))
         patches.append((group_cls, "start_param_sync", start_param_sync_rotated))
+    elif bug == "megatron_vpp_layer_offset_wrong":
+        from megatron.core import parallel_state as mps
+        real_offset = importlib.import_module("megatron.core.transformer.transformer_layer") \
+            .get_transformer_layer_offset
+
+        def offset_non_interleaved(config, vp_stage=None, pp_rank=None):  # noqa: ANN001, ANN202
+            vpp = config.virtual_pipeline_model_parallel_size
+            if not vpp or vp_stage is None:
+                return real_offset(config, vp_stage, pp_rank)
+            # BUG: a chunk's first layer by the non-interleaved formula (a rank's chunks hold consecutive
+            # layers), not chunk-major: with pp=2, vpp=2 rank 0's second chunk is numbered layer 1, not 2.
+            per_chunk = config.num_layers // (config.pipeline_model_parallel_size * vpp)
+            rank = mps.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+            return (rank * vpp + vp_stage) * per_chunk
+        for module in ("transformer_layer", "transformer_block"):   # each calls it by its own name
+            patches.append((importlib.import_module(f"megatron.core.transformer.{module}"),
+                            "get_transformer_layer_offset", offset_non_interleaved))
     saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, new in patches:
         setattr(obj, attr, new)
@@ -134,7 +158,7 @@ class _Done:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
+def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool, vpp: int = 1) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     m = spec["model"]
@@ -154,10 +178,20 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool) -> Any:
         hidden_dropout=0.0, attention_dropout=0.0,
         # CPU: the unfused paths (no apex / Transformer Engine kernels)
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, **recompute)
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # With vpp and pp=2, the interleaved schedule's ring makes a rank's next and previous stage the
+        # same rank. Posted as one batch (megatron's default), its sends of an activation and of a grad to
+        # that rank pair first-in first-out with the peer's receives, which it posts in the other order:
+        # they cross, silently (Megatron-LM #750, #1450, PR #5271; measured here on gloo: microbatches 2
+        # and 3 of a step computed on swapped tensors). One operation at a time pairs them right. The
+        # catalog's megatron_vpp_pp2_p2p_crossed keeps the default.
+        batch_p2p_comm=vpp == 1 or pp != 2 or bugs.bug_name(spec) == "megatron_vpp_pp2_p2p_crossed",
+        **recompute)
 
 
-def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:
+def _build(spec: Mapping[str, Any], config: Any, vp_stage: int | None = None) -> torch.nn.Module:
+    """This pipeline rank's model, or its chunk `vp_stage` under virtual pipelining."""
     from megatron.core import parallel_state as mps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -171,11 +205,14 @@ def _build(spec: Mapping[str, Any], config: Any) -> torch.nn.Module:
     layer.submodules.input_layernorm = norm
     layer.submodules.pre_mlp_layernorm = norm
     # this pipeline stage's layers (each numbers itself globally: `layer_number`)
-    block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
     m = spec["model"]
     return GPTModel(config, block, vocab_size=m["vocab"], max_sequence_length=m["seq_len"],
-                    pre_process=mps.is_pipeline_first_stage(), post_process=mps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+                    pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+                    vp_stage=vp_stage)
 
 
 # -- entry point ---------------------------------------------------------------------------------
@@ -185,8 +222,9 @@ def main(session: Session | None = None) -> dict[str, Any]:
         megatron_shims.install()
         from megatron.core import parallel_state as mps
 
-        try:
-            return {"losses": _train(job)}
+        try:   # a bug is patched in from the model's build (a chunk's layer numbers are set there)
+            with _inject(bugs.bug_name(job.spec)):
+                return {"losses": _train(job)}
         finally:
             mps.destroy_model_parallel()
 
@@ -197,29 +235,38 @@ def _train(job: harness.RankJob) -> list[float]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tracer.integrations.megatron_core import layer_renaming, plan_for
+    from tracer.integrations.megatron_core import chunks_renaming, layer_renaming, plan_for
 
     spec, cfg, tracer = job.spec, job.cfg, job.session
     p = spec["parallel"]
-    tp, pp, sp = int(p.get("tp", 1)), int(p.get("pp", 1)), bool(p.get("sp"))
+    tp, pp, sp, vpp = int(p.get("tp", 1)), int(p.get("pp", 1)), bool(p.get("sp")), int(p.get("vpp", 1) or 1)
     mps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                   distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)))
     dp = mps.get_data_parallel_world_size()
     coords = {"tp": mps.get_tensor_model_parallel_rank(), "pp": mps.get_pipeline_model_parallel_rank(),
               "dp": mps.get_data_parallel_rank()}
     sizes = {"tp": tp, "pp": pp, "dp": dp}
-    config = _config(spec, tp, pp, sp)
-    model = _build(spec, config)
-    plan, rename = plan_for(model), layer_renaming(model)   # the integration (README)
+    config = _config(spec, tp, pp, sp, vpp)
+    if vpp == 1:
+        chunks = [_build(spec, config)]
+        model, rename = chunks[0], layer_renaming(chunks[0])
+    else:   # a rank's chunks, traced as one model whose names drop the chunk index (the integration)
+        chunks = [_build(spec, config, v) for v in range(vpp)]
+        model, rename = nn.ModuleList(chunks), chunks_renaming(chunks)
+    plan = plan_for(model)   # the integration (README)
     tracer.init_weights(model, plan, rename=rename, coords=coords, sizes=sizes)
     tensor_parallel_attrs(model, plan)
     zero1 = bool(p.get("zero1"))
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        overlap_grad_reduce=False, use_distributed_optimizer=zero1, bucket_size=None), model)
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=zero1,
+                                               bucket_size=None)
+    # one DDP per chunk, bucketing off after the first (as Megatron-LM's get_model sets it up)
+    ddps = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=v > 0)
+            for v, c in enumerate(chunks)]
     tracer.attach(model, plan, rename=rename, coords=coords, sizes=sizes, meta={"pp_stage": coords["pp"]})
     m_local, mbs = cfg.micro_batches_local, cfg.micro_batch
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
-    optimizer = _optimizer(ddp, cfg, zero1)
+    optimizer = _optimizer(ddps, cfg, zero1)
     adam, owners, shards = _adam_tensors(optimizer, model)
     tracer.load_optimizer_state(adam, model, plan, params=owners, shard=shards, rename=rename, coords=coords,
                                 sizes=sizes)   # init.checkpoint's Adam state, when it holds one
@@ -231,51 +278,53 @@ def _train(job: harness.RankJob) -> list[float]:
 
     step_losses: list[float] = []
     scheduler = lr_schedule.Scheduler(cfg)
-    with _inject(bugs.bug_name(spec)):
-        for step in range(cfg.steps):
-            batches = job.microbatches(step, coords["dp"], dp)
-            losses: list[float] = []
+    for step in range(cfg.steps):
+        batches = job.microbatches(step, coords["dp"], dp)
+        losses: list[float] = []
 
-            def forward_step(data_iterator, model_chunk, _losses=losses):  # noqa: ANN001
-                mb = next(data_iterator)
-                with tracer.microbatch(mb.index):
-                    out = model_chunk(mb.ids, positions, mask, labels=mb.labels)
+        def forward_step(data_iterator, model_chunk, _losses=losses):  # noqa: ANN001
+            mb = next(data_iterator)
+            with tracer.microbatch(mb.index):
+                out = model_chunk(mb.ids, positions, mask, labels=mb.labels)
 
-                def loss_func(per_token: torch.Tensor, mb=mb):  # noqa: ANN001
-                    # per-token loss [b, s] from megatron's vocab-parallel cross-entropy
-                    tracer.record("loss", "output", per_token, Replicate(), microbatch=mb.index,
-                                  module_type="vocab_parallel_cross_entropy")
-                    loss = per_token.mean()
-                    tracer.record_loss(loss.detach(), microbatch=mb.index)
-                    _losses.append(loss.item())
-                    return loss, {"lm loss": loss.detach()}   # the schedule divides by m_local
-                return out, loss_func
+            def loss_func(per_token: torch.Tensor, mb=mb):  # noqa: ANN001
+                # per-token loss [b, s] from megatron's vocab-parallel cross-entropy
+                tracer.record("loss", "output", per_token, Replicate(), microbatch=mb.index,
+                              module_type="vocab_parallel_cross_entropy")
+                loss = per_token.mean()
+                tracer.record_loss(loss.detach(), microbatch=mb.index)
+                _losses.append(loss.item())
+                return loss, {"lm loss": loss.detach()}   # the schedule divides by m_local
+            return out, loss_func
 
-            with tracer.step(step):
+        with tracer.step(step):
+            for ddp in ddps:
                 ddp.zero_grad_buffer()
-                optimizer.zero_grad(set_to_none=True)
-                forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
-                                 num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
-                                 forward_only=False)
-                faults.maybe_inject(spec, job.rank, step)
-                # DP all-reduce (zero1: reduce-scatter), SP LayerNorm grads over TP, embeddings
-                finalize_model_grads([ddp])
-                if zero1:
-                    tracer.record_param_grad_shards(_owned_grads(optimizer, model, plan))
-                else:
-                    tracer.record_param_grads(model)
-                scheduler.set(optimizer)
-                with megatron_shims.cuda_tensor_types():
-                    optimizer.step()   # clips by the global grad norm; zero1: all-gathers the params
-                scheduler.step(cfg.global_batch)
-                tracer.record_params(model)
-            if last:
-                step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
+            optimizer.zero_grad(set_to_none=True)
+            # interleaved (vpp): each chunk reads the step's microbatches in order from its own iterator
+            data = iter(batches) if vpp == 1 else [iter(batches) for _ in chunks]
+            forward_backward(forward_step_func=forward_step, data_iterator=data, model=ddps,
+                             num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
+                             forward_only=False)
+            faults.maybe_inject(spec, job.rank, step)
+            # DP all-reduce (zero1: reduce-scatter), SP LayerNorm grads over TP, embeddings
+            finalize_model_grads(ddps)
+            if zero1:
+                tracer.record_param_grad_shards(_owned_grads(optimizer, model, plan))
+            else:
+                tracer.record_param_grads(model)
+            scheduler.set(optimizer)
+            with megatron_shims.cuda_tensor_types():
+                optimizer.step()   # clips by the global grad norm; zero1: all-gathers the params
+            scheduler.step(cfg.global_batch)
+            tracer.record_params(model)
+        if last:
+            step_losses.append(job.mean_loss(losses, mps.get_data_parallel_group() if dp > 1 else None))
     tracer.save_checkpoint(model, adam, params=owners, rename=rename)   # checkpoint.save (reference)
     return step_losses
 
 
-def _optimizer(ddp: Any, cfg: Any, zero1: bool) -> Any:
+def _optimizer(ddps: list[Any], cfg: Any, zero1: bool) -> Any:
     """megatron's optimizer for the model: Adam (torch's, where neither Transformer Engine nor apex is
     installed) with its global grad-norm clipping; with `zero1` its DistributedOptimizer."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -284,7 +333,7 @@ def _optimizer(ddp: Any, cfg: Any, zero1: bool) -> Any:
                              adam_eps=1e-8, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
                              use_distributed_optimizer=zero1)
     with megatron_shims.cuda_tensor_types():
-        return get_megatron_optimizer(config, [ddp])
+        return get_megatron_optimizer(config, ddps)
 
 
 def _adam_tensors(optimizer: Any, model: nn.Module) -> tuple[torch.optim.Optimizer, list[Any], list[Any]]:
