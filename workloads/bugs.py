@@ -256,6 +256,15 @@ CATALOG.update({b.name: b for b in (
         "the first parameter after the step 0 update (param kind): embedding.word_embeddings.weight",
         trigger=("job=megatron_core", "parallel=dp2_zero1"), expect="embedding.word_embeddings/param",
         job="megatron_core", source="BUGS.md #18, in megatron-core's own distributed optimizer"),
+    Bug("megatron_tied_embedding_grad_lost_pp",
+        "megatron-core finalize_model_grads with tied input/output embeddings over pp stages: "
+        "_allreduce_word_embedding_grads is lost, so the first stage's word embedding and the last "
+        "stage's copy (its output layer's weight) are never given each other's grads",
+        6, "tie_embeddings, pp>1 (trigger: job=megatron_core parallel=pp2 ++model.tie_embeddings=true)",
+        "embedding.word_embeddings weight param_grad at step 0 (the two stages' copies disagree)",
+        trigger=("job=megatron_core", "parallel=pp2", "++model.tie_embeddings=true"),
+        expect="embedding.word_embeddings/param_grad", job="megatron_core",
+        source="https://github.com/NVIDIA/Megatron-LM/issues/1548, in megatron-core's own grad finalization"),
     Bug("megatron_vpp_layer_offset_wrong",
         "megatron-core get_transformer_layer_offset under virtual pipelining: a chunk's first layer by the "
         "non-interleaved formula, so a rank's chunks hold consecutive layers (pp=2, vpp=2: rank 0 builds "

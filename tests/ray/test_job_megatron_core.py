@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
     from megatron.core import parallel_state as mps
 
     from tracer import param_layouts
-    from tracer.integrations.megatron_core import layer_renaming, plan_for
+    from tracer.integrations.megatron_core import layer_renaming, plan_for, tied_renaming
     from tracer.parameters import init_parameters
     from workloads.adapters import megatron_core as adapter
     from workloads.adapters import megatron_shims
@@ -73,6 +73,17 @@ def _worker(rank: int, world: int, port: int, queue) -> None:  # noqa: ANN001
                 "rename": {n: rename(n) for n, _ in model.named_modules()},
             }
             mps.destroy_model_parallel()
+        # Tied embeddings over two stages: the last stage's output layer holds its own copy of the word
+        # embedding, named as it (tied_renaming), so both stages' copies are initialized alike.
+        tied = {**MODEL, "tie_embeddings": True}
+        mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+        with megatron_shims.cpu_tensors_as_cuda():   # megatron syncs the copies at build, as on a GPU
+            model = adapter._build({"model": tied}, adapter._config({"model": tied}, 1, 2, False))
+        plan, rename = plan_for(model), tied_renaming(layer_renaming(model))
+        init_parameters(model, param_layouts(model, plan), 7, {"pp": rank}, {"pp": 2}, rename=rename)
+        out["pp2_tied"] = {"names": [rename(n) for n, _ in model.named_parameters()], "plan": sorted(plan),
+                           "weight": model.shared_embedding_or_output_weight().detach().clone()}
+        mps.destroy_model_parallel()
         queue.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -140,6 +151,15 @@ def test_layer_renaming_pp2_from_layer_numbers(plans):
     assert got[0]["pp2"]["rename"]["decoder.layers.1"] == "decoder.layers.1"
     assert len([n for n in last["plan"] if n.count(".") == 2 and ".layers." in n]) == 2   # 2 layers per stage
     assert "output_layer" in last["plan"] and "embedding" not in last["plan"]
+
+
+def test_tied_embeddings_over_two_stages_are_one_tensor_in_both(plans):
+    """The last stage's output layer has no weight of its own to plan, and its copy of the word embedding
+    is named as the embedding: initialized as it, and a replica the comparison checks bit for bit."""
+    first, last = plans[0]["pp2_tied"], plans[1]["pp2_tied"]
+    assert "embedding.word_embeddings.weight" in first["names"] and "output_layer.weight" not in last["names"]
+    assert "embedding.word_embeddings.weight" in last["names"] and "output_layer" in last["plan"]
+    assert torch.equal(first["weight"], last["weight"]) and first["weight"].abs().sum() > 0
 
 
 # -- real Ray checks ----------------------------------------------------------------------------

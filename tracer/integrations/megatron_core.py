@@ -42,7 +42,8 @@ def module_layout(module: nn.Module, *, axis: str = "tp") -> ModuleLayout | None
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     if isinstance(module, ColumnParallelLinear):   # output features split (whole QKV groups per rank)
-        params = {"weight": Shard(0, axis)}
+        # No weight of its own where it is handed one (a tied output layer on the embedding's stage).
+        params = {"weight": Shard(0, axis)} if module.weight is not None else {}
         if module.bias is not None:
             params["bias"] = Shard(0, axis)
         # Input all-gathered over the sequence under SP: the output holds the full sequence.
@@ -111,3 +112,18 @@ def chunks_renaming(chunks: Sequence[nn.Module]) -> Rename:
         head, _, rest = name.partition(".")
         return renames[int(head)](rest) if head.isdigit() and int(head) < len(renames) else name
     return rename
+
+
+def tied_renaming(rename: Rename) -> Rename:
+    """`rename`, and a tied output layer's weight named as the word embedding it is: with
+    `share_embeddings_and_output_weights` and pp > 1, the last stage holds its own copy of the word
+    embedding as `output_layer.weight`, kept equal to the first stage's (its grads summed over the
+    embedding group). Both stages then record the one logical tensor, as replicas whose bits must agree;
+    at pp = 1 there is no such parameter."""
+    def renamed(name: str) -> str:
+        out = rename(name)
+        return _TIED.sub("embedding.word_embeddings.weight", out)
+    return renamed
+
+
+_TIED = re.compile(r"^output_layer\.weight$")

@@ -125,6 +125,10 @@ def _inject(bug: str) -> Iterator[None]:
                 shards = buffers.shard_buffer(bucket.param_data, dp)
                 bucket.param_data.copy_(torch.cat(shards[1:] + shards[:1]))
         patches.append((group_cls, "start_param_sync", start_param_sync_rotated))
+    elif bug == "megatron_tied_embedding_grad_lost_pp":
+        def word_embedding_grads_kept(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return None   # BUG: the first and last stage's word-embedding grads are never summed
+        patches.append((fmg, "_allreduce_word_embedding_grads", word_embedding_grads_kept))
     elif bug == "megatron_vpp_layer_offset_wrong":
         from megatron.core import parallel_state as mps
         real_offset = importlib.import_module("megatron.core.transformer.transformer_layer") \
@@ -211,7 +215,8 @@ def _build(spec: Mapping[str, Any], config: Any, vp_stage: int | None = None) ->
     return GPTModel(config, block, vocab_size=m["vocab"], max_sequence_length=m["seq_len"],
                     pre_process=mps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                     post_process=mps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                    share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute",
+                    share_embeddings_and_output_weights=bool(m.get("tie_embeddings")),
+                    position_embedding_type="learned_absolute",
                     vp_stage=vp_stage)
 
 
@@ -235,7 +240,7 @@ def _train(job: harness.RankJob) -> list[float]:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tracer.integrations.megatron_core import chunks_renaming, layer_renaming, plan_for
+    from tracer.integrations.megatron_core import chunks_renaming, layer_renaming, plan_for, tied_renaming
 
     spec, cfg, tracer = job.spec, job.cfg, job.session
     p = spec["parallel"]
@@ -248,12 +253,14 @@ def _train(job: harness.RankJob) -> list[float]:
               "dp": mps.get_data_parallel_rank()}
     sizes = {"tp": tp, "pp": pp, "dp": dp}
     config = _config(spec, tp, pp, sp, vpp)
+    with megatron_shims.cpu_tensors_as_cuda():   # a tied output layer's copy is synced at its build
+        chunks = [_build(spec, config, v if vpp > 1 else None) for v in range(vpp)]
     if vpp == 1:
-        chunks = [_build(spec, config)]
         model, rename = chunks[0], layer_renaming(chunks[0])
     else:   # a rank's chunks, traced as one model whose names drop the chunk index (the integration)
-        chunks = [_build(spec, config, v) for v in range(vpp)]
         model, rename = nn.ModuleList(chunks), chunks_renaming(chunks)
+    if spec["model"].get("tie_embeddings"):   # the last stage's copy of the word embedding is that tensor
+        rename = tied_renaming(rename)
     plan = plan_for(model)   # the integration (README)
     tracer.init_weights(model, plan, rename=rename, coords=coords, sizes=sizes)
     tensor_parallel_attrs(model, plan)
@@ -314,7 +321,7 @@ def _train(job: harness.RankJob) -> list[float]:
             else:
                 tracer.record_param_grads(model)
             scheduler.set(optimizer)
-            with megatron_shims.cuda_tensor_types():
+            with megatron_shims.cpu_tensors_as_cuda():
                 optimizer.step()   # clips by the global grad norm; zero1: all-gathers the params
             scheduler.step(cfg.global_batch)
             tracer.record_params(model)
@@ -332,7 +339,7 @@ def _optimizer(ddps: list[Any], cfg: Any, zero1: bool) -> Any:
     config = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
                              adam_eps=1e-8, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
                              use_distributed_optimizer=zero1)
-    with megatron_shims.cuda_tensor_types():
+    with megatron_shims.cpu_tensors_as_cuda():
         return get_megatron_optimizer(config, ddps)
 
 

@@ -9,11 +9,12 @@ schedules, optimizers, grad clipping and multi-tensor fallbacks, and type checks
 On a machine without CUDA, `install()` points the first at the CPU, makes the second a null context
 (dropout is off and weights come from ttrace's consistent generator, so no RNG stream is needed), the
 third a state of nothing (the CPU generator's state is saved and restored beside it, as on a GPU) and
-the fourth a no-op; the literal allocations land on the CPU (`_CpuTorch`), and `cuda_tensor_types()`
-names a CPU tensor's type as its CUDA twin while megatron's optimizer is built and stepped. Two more
+the fourth a no-op; the literal allocations land on the CPU (`_CpuTorch`), and `cpu_tensors_as_cuda()`
+names a CPU tensor's type as its CUDA twin, and keeps it where it is when moved to the GPU, while
+megatron's model and optimizer are built and the optimizer stepped. Two more
 stand-ins: megatron's unfused softmax needs an explicit boolean causal mask (`causal_mask`), and its
 torch LayerNorm wrapper refuses sequence parallelism (`TorchNorm`). Nothing here changes numerics.
-With CUDA present, `install()` does nothing and `cuda_tensor_types()` changes nothing.
+With CUDA present, `install()` does nothing and `cpu_tensors_as_cuda()` changes nothing.
 """
 
 from __future__ import annotations
@@ -54,26 +55,31 @@ _LITERAL_CUDA = ("megatron.core.pipeline_parallel.schedules", "megatron.core.opt
 
 
 @contextlib.contextmanager
-def cuda_tensor_types() -> Iterator[None]:
-    """While megatron's optimizer is built or stepped: `tensor.type()` of a CPU tensor names its CUDA
-    twin ('torch.cuda.FloatTensor'), which its param-group builder and grad clipping require of every
-    parameter and grad. Scoped, since the whole process shares `torch.Tensor`. No-op with CUDA."""
+def cpu_tensors_as_cuda() -> Iterator[None]:
+    """While megatron's model and optimizer are built, and the optimizer stepped: a CPU tensor's
+    `type()` names its CUDA twin ('torch.cuda.FloatTensor', which its param-group builder and grad
+    clipping require of every parameter and grad) and its `cuda()` is the tensor itself (a tied output
+    layer's weight is moved to the GPU before the embedding group's all-reduce). Scoped, since the
+    whole process shares `torch.Tensor`. No-op with CUDA."""
     if torch.cuda.is_available():
         yield
         return
-    real = torch.Tensor.type
+    real_type, real_cuda = torch.Tensor.type, torch.Tensor.cuda
 
     def cuda_named(self: torch.Tensor, dtype: object = None, non_blocking: bool = False,
                    **kw: object) -> object:
         if dtype is None and not kw and self.device.type == "cpu":
-            return "torch.cuda." + real(self).removeprefix("torch.")
-        return real(self) if dtype is None else real(self, dtype, non_blocking, **kw)
+            return "torch.cuda." + real_type(self).removeprefix("torch.")
+        return real_type(self) if dtype is None else real_type(self, dtype, non_blocking, **kw)
 
-    torch.Tensor.type = cuda_named   # type: ignore[method-assign]
+    def stays(self: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        return self if self.device.type == "cpu" and not args and not kw else real_cuda(self, *args, **kw)
+
+    torch.Tensor.type, torch.Tensor.cuda = cuda_named, stays   # type: ignore[method-assign]
     try:
         yield
     finally:
-        torch.Tensor.type = real   # type: ignore[method-assign]
+        torch.Tensor.type, torch.Tensor.cuda = real_type, real_cuda   # type: ignore[method-assign]
 
 
 class _CpuTorch(types.ModuleType):
