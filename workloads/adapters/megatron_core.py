@@ -265,6 +265,7 @@ def _train(job: harness.RankJob) -> list[float]:
     tracer.init_weights(model, plan, rename=rename, coords=coords, sizes=sizes)
     tensor_parallel_attrs(model, plan)
     zero1 = bool(p.get("zero1"))
+    owned = _owned_layouts(model, plan) if zero1 else {}
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=zero1,
                                                bucket_size=None)
     # one DDP per chunk, bucketing off after the first (as Megatron-LM's get_model sets it up)
@@ -317,7 +318,7 @@ def _train(job: harness.RankJob) -> list[float]:
             # DP all-reduce (zero1: reduce-scatter), SP LayerNorm grads over TP, embeddings
             finalize_model_grads(ddps)
             if zero1:
-                tracer.record_param_grad_shards(_owned_grads(optimizer, model, plan))
+                tracer.record_param_grad_shards(_owned_grads(optimizer, model, owned))
             else:
                 tracer.record_param_grads(model)
             scheduler.set(optimizer)
@@ -357,27 +358,38 @@ def _adam_tensors(optimizer: Any, model: nn.Module) -> tuple[torch.optim.Optimiz
     owners, cuts = [], []
     for _, q in model.named_parameters():
         owners.append(shard_of.get(id(q)))
-        r = inner._get_model_param_range_map(q)["param"] if id(q) in shard_of else None
+        r = _owned_range(inner, q)
         cuts.append(None if r is None else (lambda t, r=r: t.reshape(-1)[r.start:r.end]))
     return adam, owners, cuts
 
 
+def _owned_range(inner: Any, param: torch.nn.Parameter) -> Any:
+    """The flat range of `param` this rank's DistributedOptimizer owns (megatron's Range), or None."""
+    return inner._get_model_param_range_map(param)["param"] if param in inner.model_param_gbuf_map else None
+
+
+def _owned_layouts(model: nn.Module, plan: dict[str, Any]) -> dict[str, Layout]:
+    """Each parameter's layout as the distributed optimizer's grad ranges record it (`_owned_grads`): the
+    plan's, a disjoint partial sum over dp besides. Made once per job."""
+    return {name: Layout(lay.shard, (*lay.partial, "dp"), lay.zigzag, ("dp",))
+            for name, lay in param_layouts(model, plan).items()}
+
+
 def _owned_grads(optimizer: Any, model: nn.Module,
-                 plan: dict[str, Any]) -> dict[str, tuple[torch.Tensor, Layout]]:
+                 layouts: dict[str, Layout]) -> dict[str, tuple[torch.Tensor, Layout]]:
     """Each parameter's grad as the distributed optimizer holds it after the reduce-scatter (module doc):
-    the reduced elements of the ranges this rank owns, zeros elsewhere, a partial sum over dp."""
+    the reduced elements of the ranges this rank owns, zeros elsewhere, a partial sum over dp (`layouts`:
+    `_owned_layouts`)."""
     (inner,) = optimizer.chained_optimizers
-    layouts = param_layouts(model, plan)
     out = {}
     for name, q in model.named_parameters():
         if not q.requires_grad:   # frozen: no grad buffer, no record (as record_param_grads)
             continue
         grad = torch.zeros_like(q.main_grad)
-        if q in inner.model_param_gbuf_map:
-            r = inner._get_model_param_range_map(q)["param"]
+        r = _owned_range(inner, q)
+        if r is not None:
             grad.view(-1)[r.start:r.end] = q.main_grad.view(-1)[r.start:r.end]
-        lay = layouts[name]
-        out[name] = (grad, Layout(lay.shard, (*lay.partial, "dp"), lay.zigzag, ("dp",)))
+        out[name] = (grad, layouts[name])
     return out
 
 
