@@ -141,6 +141,16 @@ class Tracer:
         finally:
             self._microbatch = prev
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside, in a step: a framework's dry run of the model (a pipeline stage's
+        metadata inference runs its forward and backward on placeholder inputs)."""
+        step, self._step = self._step, None
+        try:
+            yield
+        finally:
+            self._step = step
+
     # -- records -------------------------------------------------------------------------------
     def record(self, path: str, kind: str, tensor: torch.Tensor, layout: Layout | None = None, *,
                microbatch: int | None = None, module_type: str = "", scale: float = 1.0,

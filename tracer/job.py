@@ -123,9 +123,8 @@ class Session(JobInputs):
     # -- setup --------------------------------------------------------------------------------
     def attach(self, model: nn.Module, plan: Plan | None = None, *, mesh: Any = None,
                coords: Mapping[str, int] | None = None, sizes: Mapping[str, int] | None = None,
-               rename: Rename | None = None, modules: Iterable[str] | None = None,
-               local_layouts: Any = None, perturb: bool = True,
-               meta: Mapping[str, Any] | None = None) -> nn.Module:
+               rename: Rename | None = None, modules: Iterable[str] | None = None, local_layouts: Any = None,
+               perturb: bool = True, meta: Mapping[str, Any] | None = None) -> nn.Module:
         """Trace `model` (call it after the weights are set and the model is parallelized) and apply
         the role: perturb the weights one ulp (perturbed; `perturb=False` for a job that perturbs
         otherwise) or feed the reference's tensors (isolated).
@@ -188,6 +187,10 @@ class Session(JobInputs):
     def microbatch(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Wrap the forward of GLOBAL microbatch `index` (DP rank and local index folded together)."""
         return self._tracer.microbatch(index) if self._tracer is not None else contextlib.nullcontext()
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Record nothing inside (tracer.collector.Tracer.paused)."""
+        return self._tracer.paused() if self._tracer is not None else contextlib.nullcontext()
 
     def record(self, *args: Any, **kw: Any) -> None:
         if self._tracer is not None:
@@ -268,11 +271,9 @@ _current: Session | None = None
 
 
 def session(**defaults: Any) -> Session:
-    """This rank's session (created on the first call, from the environment: module doc).
-
-    `defaults` are the script's own settings (seed, steps, tp, sp, pp, ...), in effect outside
-    ttrace; under ttrace the recipe's values win, so read them back from `tr.parallel`, `tr.seed`,
-    `tr.steps`."""
+    """This rank's session (created on the first call, from the environment: module doc). `defaults`:
+    the script's own settings (seed, steps, tp, sp, pp, ...), in effect outside ttrace; under ttrace the
+    recipe's values win (read them back from `tr.parallel`, `tr.seed`, `tr.steps`)."""
     global _current
     if _current is None or _current._closed:
         _current = Session(JobConfig.from_env(**defaults))

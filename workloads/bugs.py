@@ -295,6 +295,14 @@ CATALOG.update({b.name: b for b in (
         "of the K/V projections)",
         job="torch_native", trigger=("job=torch_native", "parallel=tp2"),
         expect="layers.3.attention.wv/grad_output"),
+    Bug("tn_pp_grad_norm_stage_local",
+        "torch-native pipelining: gradient clipping computes the global norm from each stage's own "
+        "parameters (torch's clip_grad_norm_ knows the DTensor placements, which say nothing of pp), so "
+        "each stage clips by its own coefficient",
+        8, "job=torch_native, pp>1, clipping active (trigger: parallel=pp2)",
+        "params after the step 0 update: every stage applied a wrong clip coefficient",
+        job="torch_native", trigger=("job=torch_native", "parallel=pp2", "++model.tie_embeddings=false"),
+        expect="*/param", source="https://github.com/pytorch/torchtitan/issues/596 (fixed by PR #649)"),
 )})
 # -- Hugging Face transformers
 CATALOG.update({b.name: b for b in (

@@ -1,8 +1,9 @@
-"""job=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module) traced
-with layouts read from DTensor placements (tracer/integrations/dtensor.py, no plan). Unit tests of the
-placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp (fp32, recomputed) and
-tp2_dp2 (bf16, FSDP2's mixed precision) pass, the injected wrong placement plan exits 1 at the K/V
-projection it breaks (bf16)."""
+"""job=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module), FSDP2 and
+pipelining, traced with layouts read from DTensor placements (tracer/integrations/dtensor.py, no
+plan). Unit tests of the placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp
+(fp32, recomputed), tp2_dp2 (bf16, FSDP2's mixed precision) and pp2_vpp2 (interleaved 1F1B) pass;
+the injected wrong placement plan exits 1 at the K/V projection it breaks (bf16), the pipeline's
+stage-local grad clipping at a param of step 0 (fp32)."""
 
 import pytest
 import torch
@@ -58,8 +59,13 @@ def test_validate_names_what_is_unsupported():
 
     with pytest.raises(ConfigError, match="model=llama_tiny"):
         torch_native.validate(spec("model=gpt_tiny"))
-    with pytest.raises(ConfigError, match="TP, SP and FSDP2"):
+    with pytest.raises(ConfigError, match="TP, SP, FSDP2 data parallelism and pipelining"):
+        torch_native.validate(spec("parallel=cp2"))
+    torch_native.validate(spec("parallel=pp2_vpp2", "++model.tie_embeddings=false"))
+    with pytest.raises(ConfigError, match="tied embeddings under pp"):   # llama_tiny ties them
         torch_native.validate(spec("parallel=pp2"))
+    with pytest.raises(ConfigError, match="microbatches per DP rank"):
+        torch_native.validate(spec("parallel=pp2", "++model.tie_embeddings=false", "data.global_batch=6"))
     with pytest.raises(ConfigError, match="fp32 or bf16"):
         torch_native.validate(spec("precision=fp8"))
     with pytest.raises(ConfigError, match="BF16 cast"):   # bf16 perturbed runs draw GEMM roundings
@@ -71,11 +77,19 @@ def test_validate_names_what_is_unsupported():
 # check runs without it, tests/ray/test_job_contract.py a clean DTensor TP+SP script without it).
 # The bf16 one is torchtitan's mixed precision under TP and FSDP2 (its MixedPrecisionPolicy), judged
 # on the 3 perturbed runs its tolerance is calibrated on: at 2, seed 1 of 4 tried failed clean.
+# The pipelined one is torch.distributed.pipelining's interleaved 1F1B (two stages a rank, untied:
+# the job refuses tied embeddings across stages).
+UNTIED = "++model.tie_embeddings=false"
 CLEAN = {"tp2_sp_recompute": ["parallel=tp2_sp", "parallel.recompute=full"],
-         "tp2_dp2_bf16": ["parallel=tp2_dp2", "precision=bf16", "tolerance.perturbations=3"]}
+         "tp2_dp2_bf16": ["parallel=tp2_dp2", "precision=bf16", "tolerance.perturbations=3"],
+         "pp2_vpp2": ["parallel=pp2_vpp2", UNTIED]}
 RECOMPUTED = ("tp2_sp_recompute",)
-BUGGY = {"tn_gqa_kv_gathered_output": ("tp2", "layers.3.attention.w[kv]", "grad_output")}
-BUG_PRECISION = "bf16"   # the wider tolerance; fp32's detection: make bench-bugs
+# bug -> (overrides, first divergence's module pattern, its kind). The K/V plan's in bf16, the wider
+# tolerance (fp32's detection: make bench-bugs); the pipeline's clipping in fp32, where Adam's first
+# update still shows a clip coefficient (torchtitan #596).
+BUGGY = {"tn_gqa_kv_gathered_output": (["parallel=tp2", "precision=bf16"], "layers.3.attention.w[kv]",
+                                       "grad_output"),
+         "tn_pp_grad_norm_stage_local": (["parallel=pp2", UNTIED], "*", "param")}
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +102,7 @@ def results(ray_cluster, tmp_path_factory):
               f"cluster.address={ray_cluster}"]
     items = [(compose([*common, *over]), work / f"clean-{p}") for p, over in CLEAN.items()]
     # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced.
-    items += [(compose([*common, f"parallel={p}", f"bug={b}", f"precision={BUG_PRECISION}"]), work / b)
-              for b, (p, _, _) in BUGGY.items()]
+    items += [(compose([*common, *over, f"bug={b}"]), work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
     return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY), out, strict=True))
 
@@ -99,6 +112,17 @@ def test_clean_torch_native_passes(results, parallel):
     res = results[f"clean-{parallel}"]
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
     assert len(res.report["tensors"]) > 500
+    if parallel == "pp2_vpp2":   # the interleaved split: rank r holds stages r and r + 2 (one layer each)
+        import json
+        from pathlib import Path
+
+        held = []
+        for m in sorted(Path(res.report["store"]).glob("candidate/rank*/manifest.json")):
+            entries = json.loads(m.read_text())["entries"]
+            held.append({e["module"].split(".attention")[0].split(".feed_forward")[0] for e in entries
+                         if e["kind"] == "param" and ".attention." in e["module"]})
+            assert {e["microbatch"] for e in entries if e["kind"] == "output"} == {0, 1, 2, 3}, m
+        assert held == [{"layers.0", "layers.2"}, {"layers.1", "layers.3"}], held
     if parallel in RECOMPUTED:
         # The wrapper's attribute is in no name: the tensors a check without recomputation traces
         # (the bug's: its report lists every tensor); each rank's log says it recomputed.
@@ -126,7 +150,7 @@ def test_bf16_runs_as_torchtitans_mixed_precision(results):
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))
-def test_wrong_placement_plan_is_named(results, bug):
+def test_torch_native_bugs_are_named(results, bug):
     import fnmatch
 
     res = results[bug]

@@ -6,7 +6,9 @@ free of parallelism. `parallelize` applies, like torchtitan's `parallelize_llama
 
 - TP (+SP): `parallelize_module` with ColwiseParallel / RowwiseParallel / SequenceParallel /
   PrepareModuleInput on a mesh dim named "tp";
-- DP: `fully_shard` (FSDP2) per block and at the root on the mesh dim named "dp".
+- DP: `fully_shard` (FSDP2) per block and at the root on the mesh dim named "dp";
+- PP (pp > 1): torch.distributed.pipelining, each stage cut from the whole model and parallelized as
+  above (workloads/adapters/torch_pipeline.py, like torchtitan's `pipeline_llama`).
 
 GQA with fewer KV heads than TP ranks (llama_tiny: 1 KV head, tp=2) cannot shard wk/wv column-wise
 (a head would be split). They are then replicated (`ReplicatedKV`): every TP rank computes the whole
@@ -42,12 +44,14 @@ from torch import nn
 from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
+from workloads.adapters import torch_pipeline
 from workloads.config import Config, parse, recompute_refused
 from workloads.llama import rotary
 from workloads.precision import Precision, bf16_linear, perturbation_of, weights_refused
 from workloads.rounding_draws import module_draw, perturbed_linear
 
-SUPPORTED = "parallel recipes with tp (+sp) and dp (FSDP2): single, tp2, tp2_sp, dp2, tp2_dp2"
+SUPPORTED = ("parallel recipes with tp (+sp), dp (FSDP2) and pp (+vpp, torch.distributed.pipelining): "
+             "single, tp2, tp2_sp, dp2, tp2_dp2, pp2, pp2_vpp2, tp2_pp2")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -135,19 +139,24 @@ class Transformer(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
         m = cfg.model
-        self.tok_embeddings = Embedding(m.vocab, m.hidden)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(m.layers))
-        self.norm = RMSNorm(m.hidden, eps=1e-5)
-        self.output = Linear(m.hidden, m.vocab, bias=False)
+        self.tok_embeddings: Embedding | None = Embedding(m.vocab, m.hidden)
+        # keyed by layer id, as torchtitan's: a pipeline stage deletes the others' layers and keeps the
+        # global names (workloads/adapters/torch_pipeline.py)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(m.layers)})
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, eps=1e-5)
+        self.output: Linear | None = Linear(m.hidden, m.vocab, bias=False)
         self.tied = m.tie_embeddings
         if self.tied:
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        """Token ids to logits; a pipeline stage's part of it (a stage without the embedding takes
+        the previous stage's hidden states, one without the head returns its own)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
 
 def mixed_precision(model: Transformer, precision: str, draws: int | None, draw_stream: int) -> None:
@@ -214,10 +223,13 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
         }
         if sp:
             top["norm"] = SequenceParallel()
-        parallelize_module(model, tp_mesh, top)
+        # a pipeline stage holds some of them (or none)
+        top = {name: style for name, style in top.items() if getattr(model, name) is not None}
+        if top:
+            parallelize_module(model, tp_mesh, top)
         tp_rank = tp_mesh.get_local_rank()
         kv_sharded = m.num_kv_heads % tp == 0
-        for block in model.layers:
+        for block in model.layers.values():
             kv = ColwiseParallel() if kv_sharded else _replicated_kv_style()
             if not kv_sharded and bugs.active(cfg.bug, "tn_gqa_kv_gathered_output"):
                 # BUG tn_gqa_kv_gathered_output: too few KV heads to shard, so the plan shards wk/wv
@@ -251,19 +263,21 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
         # activation checkpointing. The wrapper's attribute is no part of a traced name (tracer.plan).
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        for i, block in enumerate(model.layers):
-            model.layers.register_module(str(i), checkpoint_wrapper(block, preserve_rng_state=False))
+        for key, block in list(model.layers.items()):
+            model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
     if mesh["dp"].size() > 1:
         # torchtitan's mixed precision: FSDP2 casts the parameters it gathers and reduces grads in FP32
         mp = MixedPrecisionPolicy(param_dtype=Precision(cfg.precision).param_dtype,
                                   reduce_dtype=torch.float32)
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Global-norm clipping over logical grads (a DTensor grad counts once, whatever its shards)."""
+def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: Any = None) -> float:
+    """Global-norm clipping over logical grads (a DTensor grad counts once, whatever its shards).
+    `pp_group`: pipeline stages hold different parameters, and a DTensor's placements say nothing of
+    pp, so the stages' sums of squares are added over it (torchtitan #596, fixed by its PR #649)."""
     from torch.distributed.tensor import DTensor
 
     sq = torch.zeros((), dtype=torch.float32)
@@ -271,6 +285,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     for g in grads:
         full = g.full_tensor() if isinstance(g, DTensor) else g
         sq = sq + full.float().pow(2).sum()
+    if pp_group is not None:
+        torch.distributed.all_reduce(sq, group=pp_group)
     total = math.sqrt(sq.item())
     coef = max_norm / (total + 1e-6)
     if max_norm > 0 and coef < 1.0:
@@ -329,9 +345,19 @@ def validate(spec: dict) -> None:
             raise ConfigError(f"{where}: {msg}")
 
     need(m.arch == "llama", "the torch-native model is a Llama (RMSNorm, RoPE, SwiGLU); use model=llama_tiny")
-    need(p.pp == 1 and p.vpp == 1 and p.cp == 1 and p.ep == 1 and not p.zero1,
-         f"only TP, SP and FSDP2 data parallelism are wired ({SUPPORTED})")
-    need(p.world_size == p.tp * p.dp and p.dp >= 1, f"world_size={p.world_size} must be tp*dp")
+    need(p.cp == 1 and p.ep == 1 and not p.zero1,
+         f"only TP, SP, FSDP2 data parallelism and pipelining are wired ({SUPPORTED})")
+    need(p.world_size == p.pp * p.tp * p.dp and p.dp >= 1, f"world_size={p.world_size} must be pp*tp*dp")
+    if p.pp > 1:
+        stages = p.pp * p.vpp
+        need(not m.tie_embeddings, "tied embeddings under pp: the embedding and the output layer sit on "
+             "different stages and torch's pipelining keeps no shared parameter in sync (torchtitan "
+             "refuses the pair too); add ++model.tie_embeddings=false")
+        need(m.layers % stages == 0, f"layers={m.layers} must be divisible by pp*vpp={stages} (stages)")
+        need(cfg.micro_batches_local % p.pp == 0,
+             f"{cfg.micro_batches_local} microbatches per DP rank: the pipeline schedule needs a multiple "
+             f"of pp={p.pp} (raise data.global_batch or lower data.micro_batch)")
+    need(p.vpp == 1 or p.pp > 1, f"vpp={p.vpp} needs pp > 1 (stages per pipeline rank)")
     need(not p.sp or p.tp > 1, "sp needs tp > 1")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the torch-native recipe runs "
          f"{' or '.join(PRECISIONS)}")
@@ -360,14 +386,23 @@ def main(session: Session | None = None) -> dict[str, Any]:
 
     with harness.rank_job(validate, session) as job:
         cfg, tr, p = job.cfg, job.session, job.cfg.parallel
-        mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
+        if p.pp > 1:   # torchtitan's mesh order: pp outermost
+            mesh = init_device_mesh("cpu", (p.pp, p.dp, p.tp), mesh_dim_names=("pp", "dp", "tp"))
+        else:
+            mesh = init_device_mesh("cpu", (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         model = Transformer(cfg)
         tr.init_weights(model)                 # full logical weights, before sharding
         moves = perturbation_of(job.spec)
         draws = tr.perturb if tr.role == "perturbed" and moves == "gemm" else None
-        mixed_precision(model, cfg.precision, draws, mesh["dp"].get_local_rank())
-        parallelize(model, mesh, cfg)
-        # layouts from DTensor placements; the role applied (weights moved, or GEMM draws above)
-        tr.attach(model, mesh=mesh, perturb=moves == "weights", meta={"perturbation": moves})
         dp = mesh["dp"]
+        parts = torch_pipeline.stage_modules(model, cfg, mesh["pp"].get_local_rank() if p.pp > 1 else 0)
+        for _, part in parts:
+            mixed_precision(part, cfg.precision, draws, dp.get_local_rank())
+            parallelize(part, mesh, cfg)
+        traced, rename = torch_pipeline.traced_model(parts)
+        # layouts from DTensor placements; the role applied (weights moved, or GEMM draws above)
+        tr.attach(traced, mesh=mesh, rename=rename, perturb=moves == "weights", meta={"perturbation": moves})
+        if p.pp > 1:
+            stages, sched = torch_pipeline.schedule(parts, cfg, mesh["pp"].get_group(), job.device)
+            return {"losses": torch_pipeline.train(stages, sched, traced, rename, job, mesh, clip_grad_norm)}
         return {"losses": train(model, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None)}
