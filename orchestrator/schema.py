@@ -62,6 +62,10 @@ class Parallel:
     # again in backward) | selective (the core attention's). The reference never recomputes: a check
     # shows recomputation changes nothing.
     recompute: str = "none"
+    # The pipeline schedule of torch.distributed.pipelining by its name (job=torch_native; torchtitan's
+    # pipeline_parallel_schedule): 1F1B, GPipe, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    # ZBVZeroBubble, DualPipeV. Empty: 1F1B, or Interleaved1F1B under vpp.
+    pp_schedule: str = ""
 
 
 @dataclass

@@ -11,10 +11,9 @@ Each entry carries the layout that lets the comparison stage rebuild the logical
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from tracer.layouts import Layout, Replicate
 from tracer.module_calls import ModuleCalls
 from tracer.plan import Plan, Rename, logical_names, param_layouts, traced_modules
 from tracer.routing import ROUTER_TYPES, hand_on_reference
+from tracer.trace_scopes import TraceScopes
 from tracer.writer import TraceWriter
 
 _PARAM_KINDS = frozenset(("param_grad", "param"))
@@ -43,8 +43,9 @@ def canonical_name(step: int, microbatch: int | None, path: str, kind: str) -> s
     return f"{step}/{'-' if microbatch is None else microbatch}/{path}/{kind}"
 
 
-class Tracer:
-    """Records a rank's traced tensors to the store. `Tracer.disabled()` records nothing."""
+class Tracer(TraceScopes):
+    """Records a rank's traced tensors to the store. `Tracer.disabled()` records nothing. Where a
+    record belongs, and when none is made: tracer/trace_scopes.py."""
 
     def __init__(self, store_url: str, run: str, rank: int, coords: Mapping[str, int],
                  sizes: Mapping[str, int], meta: Mapping[str, Any] | None = None, *,
@@ -69,6 +70,7 @@ class Tracer:
         self._feed: Any = None   # tracer.isolation.ReferenceFeed: isolation pass (see `isolate`)
         self._replay: Any = None  # the reference's router outputs: routing replay (see `replay_routing`)
         self._signs: Any = None   # the reference's param grads: grad-sign replay (see `replay_grad_signs`)
+        self._repeats = False     # inside `repeated_backward` (tracer/trace_scopes.py)
 
     @classmethod
     def disabled(cls) -> Tracer:
@@ -118,38 +120,6 @@ class Tracer:
         so local activation grads are (global microbatches / local microbatches) times too large.
         """
         self._grad_scale = float(scale)
-
-    # -- scopes --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[None]:
-        self._step = step
-        if self.enabled:
-            self._calls.reset()
-        try:
-            yield
-        finally:
-            if self.enabled:
-                self._writer.flush()
-            self._step = None
-
-    @contextlib.contextmanager
-    def microbatch(self, index: int) -> Iterator[None]:
-        """Wrap the forward of global microbatch `index`; its backward hooks remember it."""
-        prev, self._microbatch = self._microbatch, index
-        try:
-            yield
-        finally:
-            self._microbatch = prev
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Record nothing inside, in a step: a framework's dry run of the model (a pipeline stage's
-        metadata inference runs its forward and backward on placeholder inputs)."""
-        step, self._step = self._step, None
-        try:
-            yield
-        finally:
-            self._step = step
 
     # -- records -------------------------------------------------------------------------------
     def record(self, path: str, kind: str, tensor: torch.Tensor, layout: Layout | None = None, *,
@@ -254,12 +224,15 @@ class Tracer:
 
         def grad_hook_for(step: int, mb: int | None, at: str) -> Any:
             mb_key = "-" if mb is None else mb
+            recorded = False
 
             def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
-                if want_grad:
+                nonlocal recorded
+                if want_grad and not (recorded and self._repeats):
                     add((f"{step}/{mb_key}/{at}/grad_output", path, module_type, "grad_output", step,
                          mb, self._seq, grad_lay, self._grad_scale), grad)
                     self._seq += 1
+                    recorded = True
                 feed = self._feed
                 if feed is None:
                     return None

@@ -115,10 +115,16 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     missing = [n for n in reference.order if n not in candidate.tensors]
     extra = [n for n in candidate.order if n not in reference.tensors]
     if missing or extra:
+        # A param_grad is recorded where the parameter has a .grad: one the candidate lacks alone is a
+        # parameter its step never trained (a gradient its parallel wrappers never delivered)
+        grads_only = not extra and all(n.endswith("/param_grad") for n in missing)
         raise TraceError(
             f"candidate run '{candidate.run}' and reference run '{reference.run}' traced different tensors "
             f"({len(missing)} missing from the candidate, e.g. {missing[:3]}; {len(extra)} extra, e.g. "
-            f"{extra[:3]}): the runs do not match (different recipe, steps or tracing plan)")
+            f"{extra[:3]}): " + ("the candidate's parameters had no gradient after its backward: its step "
+                                 "never trained them (a gradient its parallel wrappers never delivered?)"
+                                 if grads_only else "the runs do not match (different recipe, steps or "
+                                 "tracing plan)"))
     for p in perturbed:
         lost = [n for n in reference.order if n not in p.tensors]
         if lost:

@@ -192,6 +192,10 @@ class Session(JobInputs):
         """Record nothing inside (tracer.collector.Tracer.paused)."""
         return self._tracer.paused() if self._tracer is not None else contextlib.nullcontext()
 
+    def repeated_backward(self) -> contextlib.AbstractContextManager[None]:
+        """Gradients delivered again inside are not recorded again (Tracer.repeated_backward)."""
+        return self._tracer.repeated_backward() if self._tracer is not None else contextlib.nullcontext()
+
     def record(self, *args: Any, **kw: Any) -> None:
         if self._tracer is not None:
             self._tracer.record(*args, **kw)
@@ -220,10 +224,9 @@ class Session(JobInputs):
         """Commit this rank's trace (manifest last). Also runs at interpreter exit. A job that raised
         (`failed`, or an uncaught exception seen by `session()`'s hook) commits its trace marked
         incomplete: kept to look at, never compared."""
-        if self._closed or not self.enabled:
-            self._closed = True
+        closed, self._closed = self._closed, True
+        if closed or not self.enabled:
             return
-        self._closed = True
         failed = failed or self._failed or self._inputs_unused(attaching=False)
         if self._tracer is None:   # set up but never attached: commit an empty trace ttrace reports
             self._tracer = self._new_tracer(False, {"attached": False})
@@ -239,17 +242,8 @@ class Session(JobInputs):
         self.close()
 
     # -- internals ----------------------------------------------------------------------------
-    def _meta(self, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-        spec = self.config.spec
-        job = spec.get("job") or {}
-        return {"role": self.role, "job": job.get("label") or job.get("name") or "script",
-                "parallel": self.parallel.name, "world_size": self.world_size,
-                "precision": (spec.get("precision") or {}).get("name"),
-                "model": (spec.get("model") or {}).get("name"), "bug": (spec.get("bug") or {}).get("name"),
-                "perturb": self.config.perturb, "fingerprint": self.config.fingerprint, **dict(extra or {})}
-
     def _new_tracer(self, dtensor: bool, meta: Mapping[str, Any] | None) -> Any:
-        m = self._meta(meta)
+        m = self.config.meta(meta)
         if self._factory is not None:
             return self._factory(self.coords, self.sizes, m, dtensor)
         cfg = self.config

@@ -105,6 +105,16 @@ class JobConfig:
         ttrace on perturbed and candidate runs of a check that replays grad signs."""
         return bool(self.spec.get("trace", {}).get("grad_sign_replay"))
 
+    def meta(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """What a trace's manifest says of the run that wrote it (`extra`: the job's own keys)."""
+        spec = self.spec
+        job = spec.get("job") or {}
+        return {"role": self.role, "job": job.get("label") or job.get("name") or "script",
+                "parallel": self.parallel.name, "world_size": self.world_size,
+                "precision": (spec.get("precision") or {}).get("name"),
+                "model": (spec.get("model") or {}).get("name"), "bug": (spec.get("bug") or {}).get("name"),
+                "perturb": self.perturb, "fingerprint": self.fingerprint, **dict(extra or {})}
+
     @property
     def traced(self) -> bool:
         return self.role != UNTRACED and bool(self.spec.get("trace", {}).get("enabled", True))

@@ -28,6 +28,14 @@ def recompute_refused(mode: str, *, selective: bool) -> str | None:
     return None
 
 
+def pp_schedule_refused(schedule: str) -> str | None:
+    """Why a job other than job=torch_native refuses parallel.pp_schedule=`schedule` (None: unset)."""
+    if not schedule:
+        return None
+    return (f"parallel.pp_schedule={schedule} picks a schedule of torch.distributed.pipelining, which "
+            "job=torch_native runs; this job runs its own pipeline schedule: unset it")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -66,6 +74,7 @@ class ParallelConfig:
     cp: int = 1           # context parallelism: ring attention over zigzag sequence chunks
     ep: int = 1           # expert parallelism (carved out of DP): experts sharded over ep DP ranks
     recompute: str = "none"   # activation recomputation: none | full | selective (RECOMPUTE)
+    pp_schedule: str = ""     # torch.distributed.pipelining's schedule by name (job=torch_native)
 
     @property
     def dp(self) -> int:
@@ -132,7 +141,7 @@ def parse(spec: Mapping[str, Any]) -> Config:
         tp=int(p.get("tp", 1)), pp=int(p.get("pp", 1)), sp=bool(p.get("sp", False)),
         zero1=bool(p.get("zero1", False)), vpp=int(p.get("vpp", 1) or 1),
         cp=int(p.get("cp", 1) or 1), ep=int(p.get("ep", 1) or 1),
-        recompute=str(p.get("recompute") or "none"))
+        recompute=str(p.get("recompute") or "none"), pp_schedule=str(p.get("pp_schedule") or ""))
     return Config(
         model=model, parallel=parallel,
         precision=str((spec.get("precision") or {}).get("name", "fp32")),
@@ -194,6 +203,7 @@ def validate(spec: Mapping[str, Any]) -> None:
          "a bug of another job needs its job= option (ttrace bugs NAME)")
     need(cfg.steps >= 1, f"steps={cfg.steps} must be >= 1")
     need((why := recompute_refused(p.recompute, selective=True)) is None, str(why))
+    need((why := pp_schedule_refused(p.pp_schedule)) is None, str(why))
     need(cfg.bug_from_step >= 1, f"bug.from_step={cfg.bug_from_step} must be >= 1 (the stale state is the "
                                  "previous step's)")
     need(cfg.bug_from_step == bugs.DEFAULT_FROM_STEP or cfg.bug == bugs.NONE or bugs.reads_from_step(cfg.bug),

@@ -1,9 +1,9 @@
 """job=torch_native: a torchtitan-style Llama under torch's own TP/SP (parallelize_module), FSDP2 and
 pipelining, traced with layouts read from DTensor placements (tracer/integrations/dtensor.py, no
 plan). Unit tests of the placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp
-(fp32, recomputed), tp2_dp2 (bf16, FSDP2's mixed precision) and pp2_vpp2 (interleaved 1F1B) pass;
-the injected wrong placement plan exits 1 at the K/V projection it breaks (bf16), the pipeline's
-stage-local grad clipping at a param of step 0 (fp32)."""
+(fp32, recomputed), tp2_dp2 (bf16, FSDP2's mixed precision), pp2 (1F1B) and pp2_vpp2 (zero-bubble V)
+pass; the injected wrong placement plan exits 1 at the K/V projection it breaks (bf16), the
+pipeline's stage-local grad clipping at a param of step 0 (fp32)."""
 
 import pytest
 import torch
@@ -66,6 +66,18 @@ def test_validate_names_what_is_unsupported():
         torch_native.validate(spec("parallel=pp2"))
     with pytest.raises(ConfigError, match="microbatches per DP rank"):
         torch_native.validate(spec("parallel=pp2", "++model.tie_embeddings=false", "data.global_batch=6"))
+    with pytest.raises(ConfigError, match="runs one stage a rank: vpp must be 1"):
+        torch_native.validate(spec("parallel=pp2_vpp2", UNTIED, "parallel.pp_schedule=GPipe"))
+    with pytest.raises(ConfigError, match="input and weight passes each recompute"):
+        torch_native.validate(spec("parallel=pp2_vpp2", UNTIED, "parallel.pp_schedule=DualPipeV",
+                                   "parallel.recompute=full"))
+    with pytest.raises(ConfigError, match="is not one of 1F1B, GPipe"):
+        torch_native.validate(spec("parallel=pp2", UNTIED, "parallel.pp_schedule=ZB1P"))
+    from workloads.config import validate as builtin_validate
+
+    with pytest.raises(ConfigError, match="job=torch_native runs"):   # other jobs run their own schedules
+        builtin_validate(job_spec(compose(["parallel=pp2", "parallel.pp_schedule=GPipe"]), role="candidate",
+                                  store_url=""))
     with pytest.raises(ConfigError, match="fp32 or bf16"):
         torch_native.validate(spec("precision=fp8"))
     with pytest.raises(ConfigError, match="BF16 cast"):   # bf16 perturbed runs draw GEMM roundings
@@ -77,12 +89,14 @@ def test_validate_names_what_is_unsupported():
 # check runs without it, tests/ray/test_job_contract.py a clean DTensor TP+SP script without it).
 # The bf16 one is torchtitan's mixed precision under TP and FSDP2 (its MixedPrecisionPolicy), judged
 # on the 3 perturbed runs its tolerance is calibrated on: at 2, seed 1 of 4 tried failed clean.
-# The pipelined one is torch.distributed.pipelining's interleaved 1F1B (two stages a rank, untied:
-# the job refuses tied embeddings across stages).
+# The pipelined ones run torch.distributed.pipelining's 1F1B (the bug's recipe, clean) and its
+# zero-bubble V schedule (two stages a rank, each backward split into an input and a weight pass),
+# untied: the job refuses tied embeddings across stages.
 UNTIED = "++model.tie_embeddings=false"
 CLEAN = {"tp2_sp_recompute": ["parallel=tp2_sp", "parallel.recompute=full"],
          "tp2_dp2_bf16": ["parallel=tp2_dp2", "precision=bf16", "tolerance.perturbations=3"],
-         "pp2_vpp2": ["parallel=pp2_vpp2", UNTIED]}
+         "pp2": ["parallel=pp2", UNTIED],
+         "pp2_vpp2_zbv": ["parallel=pp2_vpp2", UNTIED, "parallel.pp_schedule=ZBVZeroBubble"]}
 RECOMPUTED = ("tp2_sp_recompute",)
 # bug -> (overrides, first divergence's module pattern, its kind). The K/V plan's in bf16, the wider
 # tolerance (fp32's detection: make bench-bugs); the pipeline's clipping in fp32, where Adam's first
@@ -112,7 +126,7 @@ def test_clean_torch_native_passes(results, parallel):
     res = results[f"clean-{parallel}"]
     assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
     assert len(res.report["tensors"]) > 500
-    if parallel == "pp2_vpp2":   # the interleaved split: rank r holds stages r and r + 2 (one layer each)
+    if parallel == "pp2_vpp2_zbv":   # the V split: rank r holds stages r and 3 - r (one layer each)
         import json
         from pathlib import Path
 
@@ -122,7 +136,7 @@ def test_clean_torch_native_passes(results, parallel):
             held.append({e["module"].split(".attention")[0].split(".feed_forward")[0] for e in entries
                          if e["kind"] == "param" and ".attention." in e["module"]})
             assert {e["microbatch"] for e in entries if e["kind"] == "output"} == {0, 1, 2, 3}, m
-        assert held == [{"layers.0", "layers.2"}, {"layers.1", "layers.3"}], held
+        assert held == [{"layers.0", "layers.3"}, {"layers.1", "layers.2"}], held
     if parallel in RECOMPUTED:
         # The wrapper's attribute is in no name: the tensors a check without recomputation traces
         # (the bug's: its report lists every tensor); each rank's log says it recomputed.

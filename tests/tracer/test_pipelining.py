@@ -1,6 +1,6 @@
-"""tracer.integrations.pipelining on a real torch.distributed.pipelining schedule (2 gloo ranks, one
-stage each, Schedule1F1B): every traced forward and gradient is named after its global microbatch,
-and the stage's metadata inference (a dry forward and backward in the first step) records nothing.
+"""tracer.integrations.pipelining on real torch.distributed.pipelining schedules (2 gloo ranks: 1F1B,
+and two zero-bubble ones): every traced forward and gradient is named after its global microbatch,
+once, and the stage's metadata inference (a dry forward and backward in the first step) records nothing.
 The torch-native job's stage split (workloads/adapters/torch_pipeline.py) keeps global names."""
 
 import json
@@ -14,55 +14,68 @@ import torch
 
 from tracer.integrations.pipelining import stages_renaming
 
-_TWO_STAGES = """
+_TWO_RANKS = """
 import os, socket, sys
 from collections import OrderedDict
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 
-def rank(r, store, port, first):
+def rank(r, store, port, first, schedule):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=r, world_size=2)
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
     from tracer.collector import Tracer
-    from tracer.integrations.pipelining import trace_microbatches
+    from tracer.integrations.pipelining import stages_renaming, trace_microbatches
     from tracer.plan import ModuleLayout
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    part = nn.Sequential(OrderedDict([(str(r), net[r])]))   # the stage keeps its layer's name
+    single = schedule in ("1F1B", "GPipe")
+    ids = [r] if single else [r, 2 * 2 - 1 - r] if schedule == "ZBVZeroBubble" else [r, r + 2]
+    net = nn.Sequential(*(nn.Linear(4, 4) for _ in range(2 if single else 4)))
+    parts = [nn.Sequential(OrderedDict([(str(i), net[i])])) for i in ids]   # stages keep their layers' names
     tr = Tracer(store, "candidate", r, coords={"pp": r}, sizes={"pp": 2}, meta={"fingerprint": "seq"})
-    tr.attach(part, {str(r): ModuleLayout()})
+    traced = parts[0] if single else nn.ModuleList(parts)
+    plan = {"*" if single else "*.*": ModuleLayout()}   # the Linears (a plan matches local names)
+    tr.attach(traced, plan, rename=None if single else stages_renaming(len(parts)))
     tr.set_grad_scale(1.0)
-    stage = PipelineStage(part, r, 2, torch.device("cpu"))
-    trace_microbatches(tr, [stage], first=first)
-    sched = Schedule1F1B(stage, n_microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    stages = [PipelineStage(m, i, len(net), torch.device("cpu")) for i, m in zip(ids, parts)]
+    trace_microbatches(tr, stages, first=first)
+    sched = get_schedule_class(schedule)(stages[0] if single else stages, n_microbatches=2,
+                                         loss_fn=lambda out, y: (out - y).pow(2).mean())
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     for step in range(2):
         with tr.step(step):
-            sched.step(*((x,) if r == 0 else ()), target=y)
+            sched.step(*((x,) if 0 in ids else ()), target=y)
     tr.close()
     dist.destroy_process_group()
 
 if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    mp.start_processes(rank, args=(sys.argv[1], port, int(sys.argv[2])), nprocs=2, start_method="fork")
+    mp.start_processes(rank, args=(sys.argv[1], port, int(sys.argv[2]), sys.argv[3]), nprocs=2,
+                       start_method="fork")
 """
 
 
-def test_a_pipeline_schedules_forwards_are_named_after_their_microbatches(tmp_path):
+# 1F1B: one stage a rank. The zero-bubble ones split each backward into an input pass and a weight
+# pass, which delivers a stage's output grads again (recorded once: Tracer.repeated_backward), two
+# stages a rank, looped or in a V.
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_a_pipeline_schedules_forwards_are_named_after_their_microbatches(tmp_path, schedule):
     store, first = tmp_path / "store", 4   # DP rank 2 of a run with 2 microbatches per DP rank
     root = str(Path(__file__).resolve().parents[2])
-    out = subprocess.run([sys.executable, "-c", _TWO_STAGES, str(store), str(first)], capture_output=True,
-                         text=True, timeout=180, env={**os.environ, "PYTHONPATH": root})
+    out = subprocess.run([sys.executable, "-c", _TWO_RANKS, str(store), str(first), schedule],
+                         capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-3000:]
+    layers = {"1F1B": [[0], [1]], "InterleavedZeroBubble": [[0, 2], [1, 3]],
+              "ZBVZeroBubble": [[0, 3], [1, 2]]}   # each rank's stages, one Linear each
     for r in range(2):
         entries = json.loads((store / "candidate" / f"rank{r:05d}" / "manifest.json").read_text())["entries"]
         acts = sorted(e["name"] for e in entries if e["kind"] in ("output", "grad_output"))
         # each step's two microbatches, forward and backward, once each: no dry run among them
-        assert acts == sorted(f"{s}/{m}/{r}/{k}" for s in range(2) for m in (first, first + 1)
-                              for k in ("output", "grad_output")), acts
+        assert acts == sorted(f"{s}/{m}/{i}/{k}" for s in range(2) for m in (first, first + 1)
+                              for i in layers[schedule][r] for k in ("output", "grad_output")), acts
 
 
 def test_stages_renaming_drops_the_stage_index():

@@ -37,7 +37,8 @@ X = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
 
 def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: bool = False,
               replica_skew: float = 0.0, microbatch: int = 0, fingerprint: str = "recipe-a",
-              flush_bytes: int = 32 << 20, replica_ulp: bool = False, mode: str = "full") -> None:
+              flush_bytes: int = 32 << 20, replica_ulp: bool = False, mode: str = "full",
+              lost_grad: bool = False) -> None:
     """A 'tensor-parallel' run of Tiny, emulated rank by rank in one process.
 
     fc is column-parallel (weight rows and output columns sharded); `out` consumes the gathered
@@ -64,6 +65,8 @@ def write_run(root: Path, run: str, tp: int = 1, fc_scale: float = 1.0, nan: boo
                 probe[2, 1] = torch.nextafter(probe[2, 1], torch.tensor(float("inf")))
             tr.record("probe", "output", probe, microbatch=microbatch)
             loss.backward()
+            if lost_grad:   # a gradient a parallel wrapper never delivered
+                m.out.weight.grad = None
             tr.record_param_grads(m)
             tr.record_params(m)
         tr.close()
@@ -181,6 +184,13 @@ def test_mismatched_runs_are_an_error(traces):
     write_run(traces, "other", microbatch=1)  # e.g. a different data split
     with pytest.raises(TraceError, match="traced different tensors"):
         compare(load(traces, "reference"), load(traces, "other"), [], TolerancePolicy())
+
+
+def test_a_candidate_parameter_left_without_its_gradient_is_named_untrained(traces):
+    write_run(traces, "candidate", lost_grad=True)
+    lost = r"1 missing from the candidate, e.g. \['0/-/out.weight/param_grad'\].*its step never trained them"
+    with pytest.raises(TraceError, match=lost):
+        compare(load(traces, "reference"), load(traces, "candidate"), [], TolerancePolicy())
 
 
 def test_metrics():

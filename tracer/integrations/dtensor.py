@@ -208,14 +208,19 @@ class DTensorTracer(Tracer):
             if feed is not None:   # isolation pass: downstream sees the reference's output
                 out = _substitute(feed, out, canonical_name(step, mb, at, "output"), layout)
             if out.requires_grad:   # a recomputation's too (tracer.module_calls)
+                recorded = False
+
                 def grad_hook(grad: torch.Tensor) -> torch.Tensor | None:
-                    prev, self._step = self._step, step
+                    nonlocal recorded
                     glayout = layouts(grad, True)
-                    try:
-                        self.record(path, "grad_output", local_of(grad), glayout, microbatch=mb,
-                                    module_type=module_type, scale=self._grad_scale, at=at)
-                    finally:
-                        self._step = prev
+                    if not (recorded and self._repeats):   # Tracer.repeated_backward
+                        prev, self._step = self._step, step
+                        try:
+                            self.record(path, "grad_output", local_of(grad), glayout, microbatch=mb,
+                                        module_type=module_type, scale=self._grad_scale, at=at)
+                        finally:
+                            self._step = prev
+                        recorded = True
                     if feed is None:
                         return None
                     ref = feed.local(canonical_name(step, mb, at, "grad_output"), glayout, local_of(grad),

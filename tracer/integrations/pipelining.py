@@ -8,6 +8,13 @@ chunk j of DP rank d is global microbatch `first + j` (`first` = d x the local m
 Backward needs nothing: a traced output's gradient hook remembers the microbatch of its forward,
 whichever order the schedule runs the backwards in.
 
+Zero-bubble schedules split a microbatch's backward into an input pass (`backward_one_chunk(...,
+full_backward=False)`: the gradients a stage sends back) and a weight pass later
+(`backward_weight_one_chunk`), which backpropagates once more from gradients the input pass saved: a
+traced output's gradient can reach its hook twice, the same gradient. The weight pass runs in
+`session.repeated_backward()`, where a hook that already recorded does not record again (the first
+stage, whose input pass computes nothing, records its gradients there).
+
 A stage's first step also runs it once outside any microbatch: the metadata inference that learns
 the shapes it sends and receives (a forward, and a backward, on placeholder inputs). That dry run is
 recorded by nobody (`session.paused()`); were a torch version to run it elsewhere, its records would
@@ -21,7 +28,7 @@ id, and a stage is the model with the other stages' modules deleted).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tracer.plan import Rename
@@ -40,18 +47,19 @@ def trace_microbatches(session: Any, stages: Sequence[Any], first: int = 0) -> N
         stage.forward_one_chunk = traced
         for dry_run in _DRY_RUNS:
             if hasattr(stage, dry_run):
-                setattr(stage, dry_run, _paused(session, getattr(stage, dry_run)))
+                setattr(stage, dry_run, _inside(session.paused, getattr(stage, dry_run)))
+        stage.backward_weight_one_chunk = _inside(session.repeated_backward, stage.backward_weight_one_chunk)
 
 
 # PipelineStage's metadata inference (torch 2.4 on): the forward's, and the backward's
 _DRY_RUNS = ("_prepare_forward_infra", "_prepare_backward_infra")
 
 
-def _paused(session: Any, method: Any) -> Any:
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        with session.paused():
+def _inside(scope: Callable[[], Any], method: Callable[..., Any]) -> Callable[..., Any]:
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        with scope():
             return method(*args, **kwargs)
-    return paused
+    return scoped
 
 
 def stages_renaming(count: int) -> Rename:

@@ -38,7 +38,7 @@ from tracer import ConfigError
 from tracer.job import Session
 from workloads import bugs, harness
 from workloads.adapters.torch_native import train
-from workloads.config import Config, parse, recompute_refused
+from workloads.config import Config, parse, pp_schedule_refused, recompute_refused
 from workloads.precision import perturbation_of, weights_refused
 from workloads.rounding_draws import module_draw, perturbed_linear
 
@@ -141,6 +141,7 @@ def validate(spec: dict) -> None:
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
     need(cfg.steps >= 1, "steps must be >= 1")
     need((why := recompute_refused(p.recompute, selective=False)) is None, str(why))
+    need((why := pp_schedule_refused(p.pp_schedule)) is None, str(why))
 
 
 def main(session: Session | None = None) -> dict[str, Any]:

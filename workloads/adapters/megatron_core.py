@@ -37,7 +37,7 @@ from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.adapters import megatron_shims
-from workloads.config import recompute_refused
+from workloads.config import pp_schedule_refused, recompute_refused
 
 NAME = "megatron_core"
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
@@ -84,6 +84,7 @@ def validate(spec: Mapping[str, Any]) -> None:
          f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
     need(int(spec["steps"]) >= 1, f"steps={spec['steps']} must be >= 1")
     need((why := recompute_refused(p.get("recompute") or "none", selective=True)) is None, str(why))
+    need((why := pp_schedule_refused(str(p.get("pp_schedule") or ""))) is None, str(why))
 
 
 # -- bug injection: patch the real megatron-core function at fault -------------------------------

@@ -358,6 +358,9 @@ def validate(spec: dict) -> None:
              f"{cfg.micro_batches_local} microbatches per DP rank: the pipeline schedule needs a multiple "
              f"of pp={p.pp} (raise data.global_batch or lower data.micro_batch)")
     need(p.vpp == 1 or p.pp > 1, f"vpp={p.vpp} needs pp > 1 (stages per pipeline rank)")
+    need(not p.pp_schedule or p.pp > 1, f"parallel.pp_schedule={p.pp_schedule} needs pp > 1")
+    why = torch_pipeline.schedule_refused(cfg) if p.pp > 1 else None
+    need(why is None, str(why))
     need(not p.sp or p.tp > 1, "sp needs tp > 1")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the torch-native recipe runs "
          f"{' or '.join(PRECISIONS)}")

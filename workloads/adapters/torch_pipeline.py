@@ -8,8 +8,11 @@
   "loop" style, which `ScheduleInterleaved1F1B` expects).
 - **Parallelism inside a stage**: the same TP(+SP) plan, activation checkpointing and FSDP2 as
   without pp (`torch_native.parallelize`), per stage module.
-- **Schedule**: `Schedule1F1B` (vpp = 1) or `ScheduleInterleaved1F1B` (vpp > 1) over the mesh dim
-  "pp", on this DP rank's local batch cut into its microbatches. Each microbatch's loss is its own
+- **Schedule**: `parallel.pp_schedule` by torch's name for it (`get_schedule_class`), by default
+  `Schedule1F1B` (vpp = 1) or `ScheduleInterleaved1F1B` (vpp > 1), over the mesh dim "pp", on this
+  DP rank's local batch cut into its microbatches. The zero-bubble ones (`InterleavedZeroBubble`,
+  `ZBVZeroBubble`, `DualPipeV`) split each backward into an input pass and a weight pass; V-shaped
+  ones place rank r's two stages at r and 2 pp - 1 - r. Each microbatch's loss is its own
   mean token cross-entropy; the schedule divides the stages' grads by the microbatch count after the
   backwards (`scale_grads`), and FSDP2 averages over dp: the single device's mean over the global
   batch.
@@ -36,9 +39,44 @@ from tracer.integrations.pipelining import stages_renaming, trace_microbatches
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.config import Config
 
+# torch's schedules by the names torchtitan's pipeline_parallel_schedule takes (get_schedule_class):
+# one stage a rank, several looped (rank r: r, r + pp, ...), or two in a V (rank r: r, 2 pp - 1 - r)
+SINGLE = ("1F1B", "GPipe")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")   # backward split: input, weight
 
-def stage_ids(pp: int, vpp: int, pp_rank: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` holds, in order ("loop" style)."""
+
+def schedule_name(cfg: Config) -> str:
+    """parallel.pp_schedule, or its default: 1F1B, Interleaved1F1B with several stages a rank."""
+    return cfg.parallel.pp_schedule or ("1F1B" if cfg.parallel.vpp == 1 else "Interleaved1F1B")
+
+
+def schedule_refused(cfg: Config) -> str | None:
+    """Why this pp x vpp cannot run parallel.pp_schedule (None: it can)."""
+    name, vpp = schedule_name(cfg), cfg.parallel.vpp
+    if name not in SINGLE + LOOPED + V_SHAPED:
+        return f"parallel.pp_schedule={name} is not one of {', '.join(SINGLE + LOOPED + V_SHAPED)}"
+    if name in SINGLE and vpp != 1:
+        return f"parallel.pp_schedule={name} runs one stage a rank: vpp must be 1, not {vpp}"
+    if name in LOOPED and vpp < 2:
+        return f"parallel.pp_schedule={name} runs several stages a rank: set vpp >= 2 (parallel=pp2_vpp2)"
+    if name in V_SHAPED and vpp != 2:
+        return f"parallel.pp_schedule={name} runs two stages a rank in a V: vpp must be 2, not {vpp}"
+    if name == "DualPipeV" and cfg.micro_batches_local < 2 * cfg.parallel.pp:
+        return (f"parallel.pp_schedule=DualPipeV needs at least as many microbatches per DP rank as "
+                f"stages ({2 * cfg.parallel.pp}), not {cfg.micro_batches_local}: lower data.micro_batch")
+    if name in ZERO_BUBBLE and cfg.parallel.recompute != "none":
+        return (f"parallel.pp_schedule={name} with parallel.recompute={cfg.parallel.recompute}: its input "
+                "and weight passes each recompute a block's forward, and ttrace matches one recomputation "
+                "to each forward (tracer/module_calls.py); set parallel.recompute=none for the check")
+    return None
+
+
+def stage_ids(pp: int, vpp: int, pp_rank: int, schedule: str = "1F1B") -> list[int]:
+    """The stages pipeline rank `pp_rank` holds, in order (looped, or V-shaped for `schedule`)."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(vpp)]
 
 
@@ -51,7 +89,7 @@ def stage_modules(model: nn.Module, cfg: Config, pp_rank: int) -> list[tuple[int
         return [(0, model)]
     per = cfg.model.layers // stages
     out = []
-    for s in stage_ids(p.pp, p.vpp, pp_rank):
+    for s in stage_ids(p.pp, p.vpp, pp_rank, schedule_name(cfg)):
         part = copy.deepcopy(model)
         for key in list(part.layers.keys()):
             if not s * per <= int(key) < (s + 1) * per:
@@ -72,13 +110,14 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def schedule(parts: list[tuple[int, nn.Module]], cfg: Config, pp_group: Any,
              device: torch.device) -> tuple[list[Any], Any]:
     """This rank's `PipelineStage`s and their schedule (module doc)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
 
-    p = cfg.parallel
+    p, name = cfg.parallel, schedule_name(cfg)
     stages = [PipelineStage(m, s, p.pp * p.vpp, device, group=pp_group) for s, m in parts]
-    if p.vpp == 1:
-        return stages, Schedule1F1B(stages[0], n_microbatches=cfg.micro_batches_local, loss_fn=_loss)
-    return stages, ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches_local, loss_fn=_loss)
+    cls = get_schedule_class(name)
+    return stages, cls(stages[0] if name in SINGLE else stages, n_microbatches=cfg.micro_batches_local,
+                       loss_fn=_loss)
 
 
 def traced_model(parts: list[tuple[int, nn.Module]]) -> tuple[nn.Module, Any]:
