@@ -189,11 +189,11 @@ class Session(JobInputs):
         return self._tracer.microbatch(index) if self._tracer is not None else contextlib.nullcontext()
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
-        """Record nothing inside (tracer.collector.Tracer.paused)."""
+        """Record nothing inside (tracer.trace_scopes: a framework's dry run of the model)."""
         return self._tracer.paused() if self._tracer is not None else contextlib.nullcontext()
 
     def repeated_backward(self) -> contextlib.AbstractContextManager[None]:
-        """Gradients delivered again inside are not recorded again (Tracer.repeated_backward)."""
+        """Gradients delivered again inside are not recorded again (tracer.trace_scopes)."""
         return self._tracer.repeated_backward() if self._tracer is not None else contextlib.nullcontext()
 
     def record(self, *args: Any, **kw: Any) -> None:

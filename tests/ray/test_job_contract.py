@@ -44,6 +44,11 @@ CHECKS = {
     "ddp_bug": ["job.command=python examples/ddp_by_hand/train.py --bug skip_1d_allreduce", "parallel=dp2",
                 "localize=false", "tracking.enabled=false"],
     "ddp_entrypoint": ["--config-dir", "recipes", "job=ddp_by_hand", "parallel=two_replicas"],
+    # torch.distributed.pipelining's 1F1B at pp=2 against the same script's plain loop on one device
+    "pipelining": ["job.command=python examples/pipelining/train.py", "parallel=pp2",
+                   "tracking.enabled=false"],
+    "pipelining_bug": ["job.command=python examples/pipelining/train.py --bug grads_not_scaled",
+                       "parallel=pp2", "localize=false", "tracking.enabled=false"],
 }
 
 
@@ -94,6 +99,19 @@ def test_data_parallel_by_hand_skipping_1d_all_reduces_fails_at_a_1d_param(check
     assert code == 1 and report["verdict"] == "fail", output
     fd = report["first_divergence"]
     assert fd["kind"] == "param_grad" and fd["module"] == "blocks.0.norm", fd
+
+
+def test_a_pipelined_script_passes_and_its_unscaled_microbatch_grads_fail(checks):
+    """tracer.integrations.pipelining in a user's script: the schedule's microbatches traced under
+    their indices (the clean check matches the one-device loop), and grads left n_microbatches times
+    too large (scale_grads=False with a mean loss) fail at the first param grad, 4x off."""
+    code, output, report = checks["pipelining"]
+    assert code == 0 and report["verdict"] == "pass", output
+    assert {t["microbatch"] for t in report["tensors"] if t["kind"] == "output"} == {0, 1, 2, 3}
+    code, output, report = checks["pipelining_bug"]
+    assert code == 1 and report["verdict"] == "fail", output
+    fd = report["first_divergence"]
+    assert fd["kind"] == "param_grad" and fd["rel_err"] == pytest.approx(3.0, rel=1e-3), fd
 
 
 def test_a_function_is_a_job_too_and_a_teams_own_recipe_options_are_found(checks):

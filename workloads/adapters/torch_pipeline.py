@@ -141,7 +141,9 @@ def train(stages: list[Any], sched: Any, model: nn.Module, rename: Any, job: har
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=0.0, foreach=False)
     tracer.load_optimizer_state(optimizer, model, rename=rename)   # init.checkpoint's Adam state
-    first, last = pp_mesh.get_local_rank() == 0, pp_mesh.get_local_rank() == cfg.parallel.pp - 1
+    # the ranks holding the first stage feed the tokens, the last stage's compute the losses (rank 0
+    # holds both under a V-shaped schedule)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     # BUG tn_pp_grad_norm_stage_local: each stage clips by the norm of its own grads (torchtitan #596)
     pp_group = None if bugs.active(cfg.bug, "tn_pp_grad_norm_stage_local") else pp_mesh.get_group()
 
