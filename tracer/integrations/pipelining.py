@@ -36,7 +36,9 @@ from tracer.plan import Rename
 
 def trace_microbatches(session: Any, stages: Sequence[Any], first: int = 0) -> None:
     """Run every forward of each of `stages` (this rank's `PipelineStage`s) inside
-    `session.microbatch(first + chunk)` (a `tracer.Session` or `Tracer`; module doc)."""
+    `session.microbatch(first + chunk)` (a `tracer.Session` or `Tracer`; module doc), its dry runs in
+    `session.paused()` and its weight passes in `session.repeated_backward()`. Call it once, before the
+    schedule's first step: it wraps the stages' own methods."""
     for stage in stages:
         forward = stage.forward_one_chunk
 
