@@ -41,10 +41,23 @@ WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
 _WRAPPER = re.compile(r"(?:^|\.)(?:" + "|".join(WRAPPERS) + r")(?=\.|$)")
 
 
+# DistributedDataParallel and DataParallel hold the model under `module`, and only as the root: a
+# leading `module.` is theirs (a submodule of that name deeper down is the model's own). A model whose
+# own top-level child is named `module` is named alike in every run, reference included.
+_ROOT_WRAPPER = "module"
+
+
 def unwrapped(name: str) -> str:
-    """`name` without torch's wrapper attributes (WRAPPERS): 'layers.0._checkpoint_wrapped_module.wq'
-    is 'layers.0.wq'."""
+    """`name` without torch's wrapper attributes (WRAPPERS; a DDP root's `module`):
+    'layers.0._checkpoint_wrapped_module.wq' is 'layers.0.wq', 'module.layers.0.wq' too."""
+    if name.startswith(_ROOT_WRAPPER) and name[len(_ROOT_WRAPPER):len(_ROOT_WRAPPER) + 1] in ("", "."):
+        name = name[len(_ROOT_WRAPPER) + 1:]
     return _WRAPPER.sub("", name).lstrip(".") if _WRAPPER.search(name) else name
+
+
+def is_root_wrapper(module: nn.Module) -> bool:
+    """A DistributedDataParallel or DataParallel wrapper: the model it holds is traced, not it."""
+    return isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel))
 
 
 def logical_names(rename: Rename | None) -> Rename:
@@ -70,7 +83,7 @@ def match(plan: Plan, name: str) -> ModuleLayout | None:
 
 def traced_modules(model: nn.Module, plan: Plan) -> Iterator[tuple[str, nn.Module, ModuleLayout]]:
     for name, module in model.named_modules():
-        entry = match(plan, unwrapped(name))
+        entry = None if is_root_wrapper(module) else match(plan, unwrapped(name))
         if entry is not None:
             yield name, module, entry
 
