@@ -318,6 +318,15 @@ CATALOG.update({b.name: b for b in (
         expect="model.layers.3.input_layernorm/grad_output",
         # transformers cannot split llama_tiny's one KV head over tp=2: the same job on two KV heads
         clean=("job=hf", "model=llama_tiny_kv2", "parallel=tp2")),
+    Bug("hf_ddp_grads_never_synced",
+        "Hugging Face model under torch DDP with gradient accumulation: every microbatch's backward runs "
+        "inside `no_sync()`, the last one included, so the grads are never all-reduced and each DP rank "
+        "steps on its own microbatches' grads (DDP's documented pattern runs the last backward outside "
+        "it; accelerate syncs on the last step of its dataloader only)",
+        12, "job=hf, dp>1, microbatches per DP rank > 1 (trigger: parallel=dp2)",
+        "the first param grad at step 0: its DP replicas disagree",
+        job="hf", trigger=("job=hf", "parallel=dp2"), expect="*/param_grad",
+        source="https://github.com/pytorch/pytorch/issues/53443 (also huggingface/accelerate#1847)"),
 )})
 
 

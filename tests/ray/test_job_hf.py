@@ -1,8 +1,9 @@
 """job=hf: a tiny random Hugging Face LlamaForCausalLM under transformers' own tensor parallelism
-(DistributedConfig(tp_size=2), real library code on CPU/gloo) against the same model in one process.
-Param layouts come from its DTensor placements, output layouts from its TP styles
-(tracer/integrations/hf.py). Clean tp2 passes, with transformers' activation checkpointing switched on
-as a user switches it; a K/V plan that leaves input grads unreduced exits 1 (without it)."""
+(DistributedConfig(tp_size=2), real library code on CPU/gloo), or under torch DDP, against the same
+model in one process. Param layouts come from its DTensor placements, output layouts from its TP
+styles (tracer/integrations/hf.py). Clean tp2 passes, with transformers' activation checkpointing
+switched on as a user switches it, and so does clean dp2 (DDP); a K/V plan that leaves input grads
+unreduced exits 1 (without it), and so do DDP grads never all-reduced."""
 
 import re
 
@@ -36,7 +37,9 @@ def test_tp_style_layouts():
 
 
 BUGGY = {"hf_gqa_kv_replicated_plan": (["model=llama_tiny", "parallel=tp2"],
-                                       "model.layers.3.input_layernorm", "grad_output")}
+                                       "model.layers.3.input_layernorm", "grad_output"),
+         # torch DDP's grads never all-reduced: the first param grad, its DP replicas apart
+         "hf_ddp_grads_never_synced": (["parallel=dp2"], "model.embed_tokens", "param_grad")}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +53,11 @@ def results(ray_cluster, tmp_path_factory):
     items = [(compose(["parallel=tp2", "parallel.recompute=full", *common]), work / "clean-tp2"),
              # bf16 at the default R = 3, which its clean seeds ran at (docs/tolerance.md "Known gaps")
              (compose(["parallel=tp2", "precision=bf16", *common, "tolerance.perturbations=3"]),
-              work / "clean-tp2-bf16")]
+              work / "clean-tp2-bf16"),
+             (compose(["parallel=dp2", *common]), work / "clean-dp2")]   # torch DDP around the model
     items += [(compose([*over, f"bug={b}", *common]), work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip(["clean-tp2", "clean-tp2-bf16", *BUGGY], out, strict=True))
+    return dict(zip(["clean-tp2", "clean-tp2-bf16", "clean-dp2", *BUGGY], out, strict=True))
 
 
 def test_clean_hf_tp_passes(results):
@@ -64,6 +68,16 @@ def test_clean_hf_tp_passes(results):
     # activation_checkpointing_enable(): every decoder layer recomputed (non-reentrant, transformers'
     # default), the tensors traced those of a check without it (the bug's: its report lists them all)
     assert_recomputed_and_traced_as_without(res, results["hf_gqa_kv_replicated_plan"])
+
+
+def test_clean_hf_under_ddp_passes(results):
+    """The loaded model wrapped in torch DDP and attached as it is: traced under the one-device
+    model's names (the wrapper's `module.` in none), grads all-reduced in the last microbatch's
+    backward; the same recipe with every backward in no_sync fails (test_hf_plan_bug_is_named)."""
+    res = results["clean-dp2"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    assert len(res.report["tensors"]) > 500
+    assert not any(t["name"].split("/")[2].startswith("module") for t in res.report["tensors"])
 
 
 def test_bf16_runs_under_autocast_and_its_perturbed_references_draw_gemm_roundings(results):
@@ -114,7 +128,7 @@ def test_validate_names_what_precision_it_runs():
 
 
 @pytest.mark.parametrize("bug", list(BUGGY))
-def test_hf_plan_bug_is_named(results, bug):
+def test_hf_bugs_are_named(results, bug):
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
     fd, culprit = res.report["first_divergence"], res.report["culprit"]

@@ -1,6 +1,7 @@
 """job=hf: a tiny randomly initialized Hugging Face `LlamaForCausalLM` under transformers' own
-tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp))`), against the
-same model loaded in one process.
+tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_size=tp))`), or under
+torch's DistributedDataParallel (dp > 1, what the Trainer's accelerate wraps it in under torchrun),
+against the same model loaded in one process.
 
 Weights: every parameter is generated as its full logical tensor by its Hugging Face name
 (`tr.init_weights`, the consistent generator) and saved as a checkpoint in a private temp directory;
@@ -118,9 +119,11 @@ def validate(spec: dict) -> None:
             raise ConfigError(f"{where}: {msg}")
 
     need(m.arch == "llama", "the Hugging Face recipe builds a LlamaForCausalLM; use model=llama_tiny")
-    need(p.world_size == p.tp and p.pp == 1 and p.cp == 1 and p.vpp == 1 and p.ep == 1 and not p.zero1
-         and not p.sp, "transformers' own parallelism is wired for tensor parallelism only "
-         "(parallel=single or tp2; its sequence parallelism is not implemented upstream)")
+    need(p.world_size == p.tp * p.dp and (p.tp == 1 or p.dp == 1) and p.pp == 1 and p.cp == 1
+         and p.vpp == 1 and p.ep == 1 and not p.zero1 and not p.sp,
+         "the Hugging Face job runs transformers' own tensor parallelism or torch DDP data parallelism, "
+         "one at a time (parallel=single, tp2 or dp2; transformers' sequence parallelism is not "
+         "implemented upstream)")
     need(cfg.precision in PRECISIONS, f"precision={cfg.precision}: the Hugging Face recipe runs "
          f"{' or '.join(PRECISIONS)}")
     need((why := weights_refused(spec)) is None, str(why))
@@ -135,7 +138,8 @@ def validate(spec: dict) -> None:
          f"kv_heads={m.num_kv_heads} is not divisible by tp={p.tp}: transformers cannot split a KV head "
          "and has no correct style for replicated K/V projections; use model=llama_tiny_kv2 "
          "(the job=hf default)")
-    need(cfg.global_batch % cfg.micro_batch == 0, "data.global_batch must be divisible by data.micro_batch")
+    need(cfg.global_batch % (p.dp * cfg.micro_batch) == 0,
+         f"data.global_batch={cfg.global_batch} must be divisible by dp*micro_batch={p.dp}*{cfg.micro_batch}")
     ours = sorted(n for n, b in bugs.CATALOG.items() if b.job == "hf")
     need(cfg.bug == bugs.NONE or cfg.bug in ours,
          f"bug={cfg.bug} is not a Hugging Face bug; known: {', '.join(ours) or '-'} (or 'none')")
@@ -160,6 +164,14 @@ def main(session: Session | None = None) -> dict[str, Any]:
         moves = perturbation_of(job.spec)
         if tr.role == "perturbed" and moves == "gemm":
             draw_gemms(model, tr.perturb)
-        tr.attach(model, mesh=getattr(model, "_device_mesh", None), local_layouts=tp_local_layouts(model),
-                  perturb=moves == "weights", meta={"perturbation": moves})
-        return {"losses": train(model, job, 0, 1, None, autocast=AUTOCAST.get(cfg.precision))}
+        layouts, mesh = tp_local_layouts(model), getattr(model, "_device_mesh", None)
+        dp = cfg.parallel.dp
+        if dp > 1:   # what the Trainer's accelerate does under torchrun: the loaded model in torch DDP
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model)   # attached as it is: the wrapper is in no name
+        tr.attach(model, mesh=mesh, local_layouts=layouts, perturb=moves == "weights",
+                  meta={"perturbation": moves})
+        rank = job.rank if dp > 1 else 0
+        return {"losses": train(model, job, rank, dp, torch.distributed.group.WORLD if dp > 1 else None,
+                                autocast=AUTOCAST.get(cfg.precision))}

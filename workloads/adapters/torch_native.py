@@ -34,6 +34,7 @@ one-ulp move of an FP32 weight mostly vanishes in its BF16 cast.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -307,21 +308,29 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=0.0, foreach=False)
     tracer.load_optimizer_state(optimizer, model)   # init.checkpoint's Adam state, when it holds one
+    # torch DDP (job=hf's dp): grads accumulate locally and are all-reduced in the last microbatch's
+    # backward, as the Trainer's accelerate runs it (`no_sync` around the others)
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    # BUG hf_ddp_grads_never_synced: the last microbatch runs inside no_sync too
+    never_synced = bugs.active(cfg.bug, "hf_ddp_grads_never_synced")
     step_losses: list[float] = []
     scheduler = lr_schedule.Scheduler(cfg)
     for step in range(cfg.steps):
         with tracer.step(step):
             optimizer.zero_grad(set_to_none=True)
             losses = []
-            for mb in job.microbatches(step, dp_rank, dp_size):
-                with tracer.microbatch(mb.index), torch.autocast(mb.ids.device.type, dtype=autocast,
-                                                                 enabled=autocast is not None):
-                    logits = model(mb.ids)
-                    logits = getattr(logits, "logits", logits)   # Hugging Face models return an output object
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten())
-                tracer.record_loss(loss.detach(), microbatch=mb.index)
-                losses.append(loss.item())
-                (loss / m_local).backward()   # FSDP2 averages over dp in its reduce-scatter
+            batches = job.microbatches(step, dp_rank, dp_size)
+            for j, mb in enumerate(batches):
+                synced = not ddp or (j == len(batches) - 1 and not never_synced)
+                with contextlib.nullcontext() if synced else model.no_sync():
+                    with tracer.microbatch(mb.index), torch.autocast(mb.ids.device.type, dtype=autocast,
+                                                                     enabled=autocast is not None):
+                        logits = model(mb.ids)
+                        logits = getattr(logits, "logits", logits)   # Hugging Face's output object
+                        loss = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten())
+                    tracer.record_loss(loss.detach(), microbatch=mb.index)
+                    losses.append(loss.item())
+                    (loss / m_local).backward()   # FSDP2 and DDP average over dp
             faults.maybe_inject(job.spec, job.rank, step)
             tracer.record_param_grads(model)
             clip_grad_norm(model, cfg.clip_grad)
