@@ -121,6 +121,9 @@ def test_validate_names_what_precision_it_runs():
     with pytest.raises(ConfigError, match="BF16 cast"):
         hf.validate(spec("precision=bf16", "tolerance.perturbation=weights"))
     hf.validate(spec("precision=bf16"))
+    hf.validate(spec("parallel=dp2"))   # torch DDP
+    with pytest.raises(ConfigError, match="one at a time"):   # transformers' TP and DDP are not combined
+        hf.validate(spec("parallel=tp2_dp2"))
     # A sharded reference in bf16 is refused before any job starts (its GEMM draws are not wired).
     with pytest.raises(ConfigError, match=r"reference.parallel=tp2 .*GEMM draws on sharded weights"):
         validate(compose(["job=hf", "parallel=tp2", "precision=bf16", "reference.parallel=tp2"]))
