@@ -297,17 +297,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: Any = None) -> f
 
 
 def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp_group: Any,
-          autocast: torch.dtype | None = None) -> list[float]:
+          autocast: torch.dtype | None = None, *, pipeline: torch_pipeline.Pipeline | None = None,
+          rename: Any = None) -> list[float]:
     """`steps` steps of Adam on this DP rank's microbatches (grad accumulation, loss / local count,
     DP averaging left to the framework); traced by the job's session. `autocast`: the forward runs
     under torch.autocast to that dtype, as Hugging Face's Trainer runs it (backward outside it).
-    Returns the global mean loss per step."""
+    `pipeline`: this rank's pipeline stages run each step's microbatches instead (`model`, `rename`:
+    what the session attached). Returns the global mean loss per step (none off the last stage)."""
     cfg, tracer = job.cfg, job.session
     m_local = cfg.micro_batches_local
-    tracer.set_grad_scale(m_local / cfg.micro_batches_global)
+    # a pipeline backpropagates each microbatch's own mean loss (its schedule divides the grads after)
+    tracer.set_grad_scale((m_local if pipeline is None else 1) / cfg.micro_batches_global)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
                                  weight_decay=0.0, foreach=False)
-    tracer.load_optimizer_state(optimizer, model)   # init.checkpoint's Adam state, when it holds one
+    tracer.load_optimizer_state(optimizer, model, rename=rename)   # init.checkpoint's Adam state
     # torch DDP (job=hf's dp): grads accumulate locally and are all-reduced in the last microbatch's
     # backward, as the Trainer's accelerate runs it (`no_sync` around the others)
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -318,9 +321,9 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
     for step in range(cfg.steps):
         with tracer.step(step):
             optimizer.zero_grad(set_to_none=True)
-            losses = []
             batches = job.microbatches(step, dp_rank, dp_size)
-            for j, mb in enumerate(batches):
+            losses = [] if pipeline is None else pipeline.step(batches)
+            for j, mb in enumerate(batches if pipeline is None else ()):
                 synced = not ddp or (j == len(batches) - 1 and not never_synced)
                 with contextlib.nullcontext() if synced else model.no_sync():
                     with tracer.microbatch(mb.index), torch.autocast(mb.ids.device.type, dtype=autocast,
@@ -333,12 +336,13 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
                     (loss / m_local).backward()   # FSDP2 and DDP average over dp
             faults.maybe_inject(job.spec, job.rank, step)
             tracer.record_param_grads(model)
-            clip_grad_norm(model, cfg.clip_grad)
+            clip_grad_norm(model, cfg.clip_grad, None if pipeline is None else pipeline.clip_group)
             scheduler.set(optimizer)
             optimizer.step()
             scheduler.step(cfg.global_batch)
             tracer.record_params(model)
-        step_losses.append(job.mean_loss(losses, dp_group))
+        if pipeline is None or pipeline.last:
+            step_losses.append(job.mean_loss(losses, dp_group))
     tracer.save_checkpoint(model, optimizer)   # checkpoint.save (the reference only)
     return step_losses
 
@@ -414,7 +418,6 @@ def main(session: Session | None = None) -> dict[str, Any]:
         traced, rename = torch_pipeline.traced_model(parts)
         # layouts from DTensor placements; the role applied (weights moved, or GEMM draws above)
         tr.attach(traced, mesh=mesh, rename=rename, perturb=moves == "weights", meta={"perturbation": moves})
-        if p.pp > 1:
-            stages, sched = torch_pipeline.schedule(parts, cfg, mesh["pp"].get_group(), job.device)
-            return {"losses": torch_pipeline.train(stages, sched, traced, rename, job, mesh, clip_grad_norm)}
-        return {"losses": train(model, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None)}
+        pipeline = torch_pipeline.Pipeline(parts, cfg, mesh, tr, job.device) if p.pp > 1 else None
+        return {"losses": train(traced, job, dp.get_local_rank(), p.dp, dp.get_group() if p.dp > 1 else None,
+                                pipeline=pipeline, rename=rename)}

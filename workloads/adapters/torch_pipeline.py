@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracer.integrations.pipelining import stages_renaming, trace_microbatches
-from workloads import bugs, faults, harness, lr_schedule
+from workloads import bugs
 from workloads.config import Config
 
 # torch's schedules by the names torchtitan's pipeline_parallel_schedule takes (get_schedule_class):
@@ -107,17 +106,37 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def schedule(parts: list[tuple[int, nn.Module]], cfg: Config, pp_group: Any,
-             device: torch.device) -> tuple[list[Any], Any]:
-    """This rank's `PipelineStage`s and their schedule (module doc)."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import get_schedule_class
+class Pipeline:
+    """This rank's stages under their schedule, traced (module doc): what `torch_native.train` runs
+    in place of its microbatch loop."""
 
-    p, name = cfg.parallel, schedule_name(cfg)
-    stages = [PipelineStage(m, s, p.pp * p.vpp, device, group=pp_group) for s, m in parts]
-    cls = get_schedule_class(name)
-    return stages, cls(stages[0] if name in SINGLE else stages, n_microbatches=cfg.micro_batches_local,
-                       loss_fn=_loss)
+    def __init__(self, parts: list[tuple[int, nn.Module]], cfg: Config, mesh: Any, tracer: Any,
+                 device: torch.device):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        p, name = cfg.parallel, schedule_name(cfg)
+        pp_group = mesh["pp"].get_group()
+        self.stages = [PipelineStage(m, s, p.pp * p.vpp, device, group=pp_group) for s, m in parts]
+        self.schedule = get_schedule_class(name)(self.stages[0] if name in SINGLE else self.stages,
+                                                 n_microbatches=cfg.micro_batches_local, loss_fn=_loss)
+        trace_microbatches(tracer, self.stages, first=mesh["dp"].get_local_rank() * cfg.micro_batches_local)
+        # the ranks holding the first stage feed the tokens, the last stage's compute the losses (rank 0
+        # holds both under a V-shaped schedule)
+        self.first, self.last = any(s.is_first for s in self.stages), any(s.is_last for s in self.stages)
+        # BUG tn_pp_grad_norm_stage_local: each stage clips by the norm of its own grads (torchtitan #596)
+        self.clip_group = None if bugs.active(cfg.bug, "tn_pp_grad_norm_stage_local") else pp_group
+        self._tracer = tracer
+
+    def step(self, batches: list[Any]) -> list[float]:
+        """One step's forwards and backwards of this DP rank's microbatches; their losses recorded and
+        returned (last stage; none elsewhere)."""
+        ids, labels = torch.cat([mb.ids for mb in batches]), torch.cat([mb.labels for mb in batches])
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*((ids,) if self.first else ()), target=labels, losses=losses)
+        for mb, loss in zip(batches, losses, strict=False):   # no losses off the last stage
+            self._tracer.record_loss(loss.detach(), microbatch=mb.index)
+        return [x.item() for x in losses]
 
 
 def traced_model(parts: list[tuple[int, nn.Module]]) -> tuple[nn.Module, Any]:
@@ -126,47 +145,3 @@ def traced_model(parts: list[tuple[int, nn.Module]]) -> tuple[nn.Module, Any]:
     if len(parts) == 1:
         return parts[0][1], None
     return nn.ModuleList(m for _, m in parts), stages_renaming(len(parts))
-
-
-def train(stages: list[Any], sched: Any, model: nn.Module, rename: Any, job: harness.RankJob, mesh: Any,
-          clip_grad_norm: Callable[[nn.Module, float, Any], float]) -> list[float]:
-    """`steps` steps of Adam on this rank's `stages` run by `sched`, traced (`model`, `rename`:
-    `traced_model`'s), clipped by `clip_grad_norm(model, max_norm, pp_group)` (torch_native's); the
-    global mean loss per step on the last stage's ranks (none elsewhere)."""
-    cfg, tracer = job.cfg, job.session
-    dp_mesh, pp_mesh = mesh["dp"], mesh["pp"]
-    dp_rank, dp = dp_mesh.get_local_rank(), cfg.parallel.dp
-    trace_microbatches(tracer, stages, first=dp_rank * cfg.micro_batches_local)
-    tracer.set_grad_scale(1.0 / cfg.micro_batches_global)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                 weight_decay=0.0, foreach=False)
-    tracer.load_optimizer_state(optimizer, model, rename=rename)   # init.checkpoint's Adam state
-    # the ranks holding the first stage feed the tokens, the last stage's compute the losses (rank 0
-    # holds both under a V-shaped schedule)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    # BUG tn_pp_grad_norm_stage_local: each stage clips by the norm of its own grads (torchtitan #596)
-    pp_group = None if bugs.active(cfg.bug, "tn_pp_grad_norm_stage_local") else pp_mesh.get_group()
-
-    step_losses: list[float] = []
-    scheduler = lr_schedule.Scheduler(cfg)
-    for step in range(cfg.steps):
-        batches = job.microbatches(step, dp_rank, dp)
-        ids, labels = torch.cat([mb.ids for mb in batches]), torch.cat([mb.labels for mb in batches])
-        losses: list[torch.Tensor] = []
-        with tracer.step(step):
-            optimizer.zero_grad(set_to_none=True)
-            sched.step(*((ids,) if first else ()), target=labels, losses=losses)
-            for j, loss in enumerate(losses):
-                tracer.record_loss(loss.detach(), microbatch=batches[j].index)
-            faults.maybe_inject(job.spec, job.rank, step)
-            tracer.record_param_grads(model)
-            clip_grad_norm(model, cfg.clip_grad, pp_group)
-            scheduler.set(optimizer)
-            optimizer.step()
-            scheduler.step(cfg.global_batch)
-            tracer.record_params(model)
-        if last:
-            step_losses.append(job.mean_loss([x.item() for x in losses],
-                                             dp_mesh.get_group() if dp > 1 else None))
-    tracer.save_checkpoint(model, optimizer)   # checkpoint.save (the reference only: never pp)
-    return step_losses
