@@ -6,7 +6,8 @@ and `compare`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tracer.compare_inputs import tensor_keys
@@ -14,13 +15,12 @@ from tracer.compare_shares import Measured, measure_keys
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
 from tracer.judge import judge
-from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace
 from tracer.measure import TensorKey
 from tracer.reference_side import ReferenceSide
 from tracer.stats_compare import compare_stats
 from tracer.tolerance import TolerancePolicy
-from tracer.verdicts import Comparison
+from tracer.verdicts import Comparison, TensorResult
 
 
 def rounding_draws(perturbed: Sequence[LogicalTrace]) -> bool:
@@ -52,34 +52,7 @@ def _check_perturbed_moved(reference: LogicalTrace, perturbed: Sequence[LogicalT
 
 def _per_step(trace: LogicalTrace) -> LogicalTrace:
     """The run's tensors of whole steps (no microbatch index): parameters and their gradients."""
-    keep = [n for n in trace.order if trace.info[n].get("microbatch") is None]
-    return LogicalTrace(trace.run, trace.world_size, trace.meta, keep, {n: trace.info[n] for n in keep},
-                        _Subset(trace.tensors, set(keep)), trace.sizes, trace.mode)
-
-
-class _Subset(Mapping[str, Assembled]):
-    """A run's tensors restricted to some names (read lazily as the run's own mapping does)."""
-
-    def __init__(self, tensors: Mapping[str, Assembled], names: set[str]):
-        self.stored, self._names = tensors, names   # `stored`: what a walk restricts (compare_shares)
-
-    def __getitem__(self, name: str) -> Assembled:
-        if name not in self._names:
-            raise KeyError(name)
-        return self.stored[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def pieces(self, name: str) -> Any:
-        """The ranks' entries of a tensor (tracer.logical.StoredTensors.pieces; stats mode)."""
-        return self.stored.pieces(name)  # type: ignore[attr-defined]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+    return trace.restricted([n for n in trace.order if trace.info[n].get("microbatch") is None])
 
 
 def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
@@ -96,35 +69,78 @@ def compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequenc
     no cycles, but its allocations (part views, figures) triggered passes that rescanned all it holds
     (a 16x comparison: 2.45 s with them, 1.73 s without)."""
     with gc_paused():
-        return _compare(reference, candidate, perturbed, policy, per_step_only, prepared, measurer)
+        _same_recipe(reference, candidate, perturbed)
+        if per_step_only:
+            prepared = None   # other tensors, other chunks
+            reference, candidate = _per_step(reference), _per_step(candidate)
+            perturbed = [_per_step(p) for p in perturbed]
+        untrained = untrained_grads(reference, candidate)
+        if not untrained:
+            return _compare(reference, candidate, perturbed, policy, per_step_only, prepared, measurer)
+        # Judged without them (other chunks than the prepared ones), then failed where they lie.
+        keep = [n for n in reference.order if n not in untrained]
+        judged = _compare(reference.restricted(keep), candidate, [p.restricted(keep) for p in perturbed],
+                          policy, True, None, measurer)
+        return with_untrained(judged, reference, untrained, policy)
 
 
-def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
-             policy: TolerancePolicy, per_step_only: bool, prepared: Mapping[str, ReferenceSide] | None,
-             measurer: Callable[[Sequence[TensorKey]], Measured] | None) -> Comparison:
-    if per_step_only:
-        prepared = None   # other tensors, other chunks
-        reference, candidate = _per_step(reference), _per_step(candidate)
-        perturbed = [_per_step(p) for p in perturbed]
+def _same_recipe(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace]) -> None:
     for other in (candidate, *perturbed):
         fa, fb = reference.meta.get("fingerprint"), other.meta.get("fingerprint")
         if fa and fb and fa != fb:
             raise TraceError(f"run '{other.run}' was traced from a different recipe than reference "
                              f"'{reference.run}' (fingerprint {fb} != {fa}: model, data, steps, seed or "
                              "precision differ); compare runs of the same recipe")
+
+
+def untrained_grads(reference: LogicalTrace, candidate: LogicalTrace) -> set[str]:
+    """The reference's param grads the candidate lacks, where that is all the runs' tensors differ in;
+    any other difference is an error (the runs do not match). A param_grad is recorded where the
+    parameter has a .grad after the step's backward: the candidate's step never trained those
+    parameters (a gradient its parallel wrappers never delivered, e.g. torch 2.13's zero-bubble
+    schedules with per-block FSDP2: scripts/repro_zb_fsdp_grads.py). That is a verdict on the
+    candidate, judged with the rest (`with_untrained`), not an error of the comparison."""
     missing = [n for n in reference.order if n not in candidate.tensors]
     extra = [n for n in candidate.order if n not in reference.tensors]
-    if missing or extra:
-        # A param_grad is recorded where the parameter has a .grad: one the candidate lacks alone is a
-        # parameter its step never trained (a gradient its parallel wrappers never delivered)
-        grads_only = not extra and all(n.endswith("/param_grad") for n in missing)
-        raise TraceError(
-            f"candidate run '{candidate.run}' and reference run '{reference.run}' traced different tensors "
-            f"({len(missing)} missing from the candidate, e.g. {missing[:3]}; {len(extra)} extra, e.g. "
-            f"{extra[:3]}): " + ("the candidate's parameters had no gradient after its backward: its step "
-                                 "never trained them (a gradient its parallel wrappers never delivered?)"
-                                 if grads_only else "the runs do not match (different recipe, steps or "
-                                 "tracing plan)"))
+    if not extra and all(reference.info[n]["kind"] == "param_grad" for n in missing):
+        return set(missing)
+    raise TraceError(
+        f"candidate run '{candidate.run}' and reference run '{reference.run}' traced different tensors "
+        f"({len(missing)} missing from the candidate, e.g. {missing[:3]}; {len(extra)} extra, e.g. "
+        f"{extra[:3]}): the runs do not match (different recipe, steps or tracing plan)")
+
+
+UNTRAINED = ("no gradient: the candidate's backward left this parameter's .grad unset where the reference's "
+             "set it, so its step never trained it (a gradient its parallel wrappers never delivered)")
+
+
+def with_untrained(judged: Comparison, reference: LogicalTrace, untrained: set[str],
+                    policy: TolerancePolicy) -> Comparison:
+    """`judged` (the comparison without the `untrained` param grads) with each of them failed at its
+    place in the reference's execution order, and every result's index that place."""
+    at = {n: i for i, n in enumerate(reference.order)}
+    results = sorted(judged.results + [_untrained_result(reference, n, at[n], policy) for n in untrained],
+                     key=lambda r: at[r.name])
+    for r in results:
+        r.index = at[r.name]
+    return Comparison("fail", results, next(r for r in results if not r.ok))
+
+
+def _untrained_result(reference: LogicalTrace, name: str, index: int,
+                      policy: TolerancePolicy) -> TensorResult:
+    e = reference.info[name]
+    return TensorResult(name=name, module=e["module"], module_type=e.get("module_type", ""), kind=e["kind"],
+                        step=e["step"], microbatch=e["microbatch"], index=index, rel_err=math.inf,
+                        max_err=math.inf, cosine=math.nan, nonfinite=0, replica_err=0.0,
+                        tolerance=policy.tolerance([0.0], e["dtype"]), noise=0.0, max_noise=0.0,
+                        analytic_bound=0.0, ok=False, reason=UNTRAINED)
+
+
+def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequence[LogicalTrace],
+             policy: TolerancePolicy, some: bool, prepared: Mapping[str, ReferenceSide] | None,
+             measurer: Callable[[Sequence[TensorKey]], Measured] | None) -> Comparison:
+    """The comparison of runs that traced the same tensors. `some`: the runs' tensors are some of those
+    stored (a walk reads and holds only their parts, none after it)."""
     for p in perturbed:
         lost = [n for n in reference.order if n not in p.tensors]
         if lost:
@@ -149,8 +165,7 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     # are judged at the param_grad, not again here. Both live in tracer.measure.
     keys = tensor_keys(reference)
     if measurer is None:
-        # A walk of some tensors only (per step) reads and holds only their parts, none after it.
-        got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared, only=per_step_only)
+        got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared, only=some)
     else:
         got = measurer(keys)
         lost = [k.name for k in keys if k.name not in got.stats or k.name not in got.replicas]

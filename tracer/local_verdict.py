@@ -67,9 +67,10 @@ def judged_tensors(reference: Any) -> list[str]:
 
 def local_errors(reference: Any, isolated: Any, precision: str) -> dict[str, LocalError]:
     """{tensor name: its LocalError} for every judged tensor of a run in `precision`; a non-finite
-    isolated value reads as inf."""
+    isolated value reads as inf. A param grad the isolated run lacks has none: its comparison failed it
+    already (tracer.compare: untrained)."""
     return {n: local_error(reference.tensors[n].tensor, isolated.tensors[n].tensor, precision)
-            for n in judged_tensors(reference)}
+            for n in judged_tensors(reference) if n in isolated.tensors}
 
 
 def local_error(r: torch.Tensor, x: torch.Tensor, precision: str) -> LocalError:

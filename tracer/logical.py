@@ -49,6 +49,11 @@ class LogicalTrace:
             got = self._shapes[name] = tuple(shape)
         return got
 
+    def restricted(self, keep: list[str]) -> LogicalTrace:
+        """The run with its tensors `keep` only (in its order), read as the run reads them."""
+        return LogicalTrace(self.run, self.world_size, self.meta, keep, {n: self.info[n] for n in keep},
+                            Subset(self.tensors, set(keep)), self.sizes, self.mode)
+
     def first_step(self) -> int:
         """The first traced step (initial parameters, traced at step -1, left out; 0 if none)."""
         return min((s for e in self.info.values() if (s := int(e["step"])) >= 0), default=0)
@@ -257,3 +262,28 @@ class StoredTensors(Mapping[str, Assembled]):
     def release(self) -> None:
         """Drop every part held (PartCache.release)."""
         self.parts.release()
+
+
+class Subset(Mapping[str, Assembled]):
+    """A run's tensors restricted to some names (read lazily as the run's own mapping does)."""
+
+    def __init__(self, tensors: Mapping[str, Assembled], names: set[str]):
+        self.stored, self._names = tensors, names   # `stored`: what a walk restricts (compare_shares)
+
+    def __getitem__(self, name: str) -> Assembled:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.stored[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def pieces(self, name: str) -> Any:
+        """The ranks' entries of a tensor (tracer.logical.StoredTensors.pieces; stats mode)."""
+        return self.stored.pieces(name)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

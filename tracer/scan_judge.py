@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from itertools import combinations
 from typing import Any
 
+from tracer.compare import untrained_grads, with_untrained
 from tracer.errors import TraceError
 from tracer.fingerprint_read import step_of
 from tracer.logical import LogicalTrace
@@ -111,6 +112,7 @@ def pair_noise(b: Band, reference: LogicalTrace) -> dict[tuple[int, str, str], l
 
 
 Family = tuple[str, str]   # (module path, kind)
+Untrained = tuple[LogicalTrace, set[str]]   # a step's whole reference, the param grads the candidate lacks
 Noise = dict[Family, list[float]]
 
 
@@ -123,7 +125,7 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
     out = ScanJudgement([])
     held: Noise = {}                                       # window None: the running maximum
     recent: deque[tuple[int, Noise]] = deque()             # window: (index, noise) of the steps in it
-    pending: deque[tuple[int, LogicalTrace, LogicalTrace, list[LogicalTrace], Band]] = deque()
+    pending: deque[tuple[int, LogicalTrace, LogicalTrace, list[LogicalTrace], Band, Untrained]] = deque()
     walks = [iter(reference), iter(candidate), *(iter(p) for p in perturbed)]
     index = 0
     while True:
@@ -141,11 +143,19 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
         if len(other) > 1 or step is None:
             raise TraceError(f"the runs' logs are out of step (steps {sorted(map(str, other))}); rerun "
                              "the scan")
-        for run in (cand, *perts):
+        for run in perts:
             lost = [n for n in ref.order if n not in run.tensors]
             if lost:
                 raise TraceError(f"run '{run.run}' did not log {len(lost)} tensor(s) the reference logged at "
                                  f"step {step}, e.g. {lost[:3]}: the runs trace different tensors")
+        try:   # a candidate's param grads alone missing: failed where they lie (tracer.compare)
+            untrained = untrained_grads(ref, cand)
+        except TraceError as e:
+            raise TraceError(f"at step {step}: {e}") from None
+        whole = ref
+        if untrained:
+            keep = [n for n in ref.order if n not in untrained]
+            ref, perts = ref.restricted(keep), [p.restricted(keep) for p in perts]
         # perts: per-step views of the perturbed runs. The initial parameters (step -1) are the
         # reference's in every run perturbed by GEMM rounding draws (bf16, fp8), which move nothing
         # before the first step: a zero band there, every later step must have moved.
@@ -158,7 +168,7 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
                 held[f] = [max(a, c) for a, c in zip(held.get(f, x), x, strict=True)]
         else:
             recent.append((index, noise))
-        pending.append((index, ref, cand, perts, b))
+        pending.append((index, ref, cand, perts, b, (whole, untrained)))
         while len(pending) > ahead:
             _judge_one(out, *pending.popleft(), held, recent, window, policy, start)
         index += 1
@@ -171,10 +181,12 @@ def judge_steps(reference: Iterable[LogicalTrace], candidate: Iterable[LogicalTr
 
 
 def _judge_one(out: ScanJudgement, index: int, ref: LogicalTrace, cand: LogicalTrace,
-               perts: list[LogicalTrace], b: Band, held: Noise, recent: deque[tuple[int, Noise]],
-               window: int | None, policy: TolerancePolicy, start: int) -> None:
+               perts: list[LogicalTrace], b: Band, untrained: Untrained, held: Noise,
+               recent: deque[tuple[int, Noise]], window: int | None, policy: TolerancePolicy,
+               start: int) -> None:
     """Judge one step against its band: the noise `held` (every step so far, and ahead) or the steps of
-    `recent` from index-window+1 on."""
+    `recent` from index-window+1 on. `untrained`: the step's whole reference, and the param grads the
+    candidate lacks (judged without them, then failed)."""
     if window is not None:
         while recent and recent[0][0] <= index - max(1, window):
             recent.popleft()
@@ -182,6 +194,9 @@ def _judge_one(out: ScanJudgement, index: int, ref: LogicalTrace, cand: LogicalT
         b.pooled[f] = (held[f[1:]] if window is None
                        else [max(x) for x in zip(*(n[f[1:]] for _, n in recent if f[1:] in n), strict=True)])
     comp = judge(ref, cand, b, policy)
+    whole, lost = untrained
+    if lost:
+        comp, ref = with_untrained(comp, whole, lost, policy), whole
     step = step_of(ref)
     assert step is not None
     s = _summary(start + step, comp, ref, cand, perts)

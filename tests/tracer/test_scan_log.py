@@ -34,9 +34,11 @@ def logical(step: int, seed: int, run_eps: float = 0.0) -> dict[str, torch.Tenso
     return base
 
 
-def write_run(root, run, steps, *, tp=1, eps=0.0, seed=0, bug_from=None, block_steps=4):
+def write_run(root, run, steps, *, tp=1, eps=0.0, seed=0, bug_from=None, block_steps=4, grads=False,
+              lost_grad_from=None):
     """A run of `steps` steps (plus the initial weights, step -1) traced through the Tracer in scan mode;
-    with tp=2, w is sharded on dim 0 and b replicated; from `bug_from`, one shard of w is scaled."""
+    with tp=2, w is sharded on dim 0 and b replicated; from `bug_from`, one shard of w is scaled.
+    `grads`: b's param grad is logged too, except from step `lost_grad_from` on."""
     for rank in range(tp):
         tr = Tracer(str(root), run, rank, {"tp": rank}, {"tp": tp}, {"fingerprint": "f"}, mode="scan",
                     kinds=("param", "param_grad", "loss"))
@@ -50,6 +52,8 @@ def write_run(root, run, steps, *, tp=1, eps=0.0, seed=0, bug_from=None, block_s
                 tr.record("layer.w", "param", w, Shard(0) if tp > 1 else Replicate(), module_type="Linear")
                 tr.record("layer.b", "param", full["b"], Replicate(), module_type="Linear")
                 tr.record("layer.w", "output", w)   # not a selected kind: never logged
+                if grads and step >= 0 and (lost_grad_from is None or step < lost_grad_from):
+                    tr.record("layer.b", "param_grad", full["b"] * 0.1, Replicate(), module_type="Linear")
                 if step >= 0:   # the loss moves with the bug (every rank logs the same value)
                     bugged = bug_from is not None and step >= bug_from
                     tr.record_loss(full["w"].double().sum() * (1.005 if bugged else 1.0), microbatch=0)
@@ -126,6 +130,22 @@ def test_the_first_step_out_of_the_band_is_the_step_the_candidate_started_to_dif
     assert s.modules["layer"] > 1 and s.kinds["param"] > 1 and s.failing[0].endswith("layer.w/param")
     # the loss moved with w: the candidate's gap against the perturbed runs' spread
     assert abs(s.loss["candidate"] - s.loss["reference"]) > s.loss["spread"] > 0
+
+
+def test_a_step_whose_candidate_lacks_a_param_grad_fails_there_as_untrained(tmp_path):
+    """From step 2 on the candidate logs no grad for b (its step never trained it): the scan's first
+    step is 2, failed at that param grad as untrained (tracer.compare), where it once stopped with an
+    error; the steps before pass."""
+    for run, kw in (("reference", {}), ("perturbed-1", {"eps": 1e-6, "seed": 1}),
+                    ("perturbed-2", {"eps": 1e-6, "seed": 2})):
+        write_run(tmp_path, run, 5, grads=True, **kw)
+    write_run(tmp_path, "candidate", 5, tp=2, eps=3e-7, seed=3, grads=True, lost_grad_from=2)
+    out = judge(tmp_path)
+    assert out.verdict == "fail" and out.first_step == 2 and all(s.ok for s in out.steps[:3])
+    fd = out.first.first_divergence
+    assert fd.name == "2/-/layer.b/param_grad" and fd.reason.startswith("no gradient"), fd
+    assert [s.failing for s in out.steps[3:]] == [[f"{t}/-/layer.b/param_grad"] for t in (2, 3, 4)]
+    assert out.steps[3].worst > 1e8   # a failure no statistic measures: beyond any band
 
 
 def test_replicas_that_differ_fail_the_step_even_within_the_band(tmp_path):

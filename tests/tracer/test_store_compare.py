@@ -186,10 +186,34 @@ def test_mismatched_runs_are_an_error(traces):
         compare(load(traces, "reference"), load(traces, "other"), [], TolerancePolicy())
 
 
-def test_a_candidate_parameter_left_without_its_gradient_is_named_untrained(traces):
-    write_run(traces, "candidate", lost_grad=True)
-    lost = r"1 missing from the candidate, e.g. \['0/-/out.weight/param_grad'\].*its step never trained them"
-    with pytest.raises(TraceError, match=lost):
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_a_candidate_parameter_left_without_its_gradient_fails_there_as_untrained(tmp_path, mode):
+    """A param grad the candidate lacks (and nothing else) is a FAIL at its place in execution order,
+    naming its module; every other tensor is judged as usual (and passes here)."""
+    for run, kw in (("reference", {}), ("perturbed-0", {"fc_scale": 1 + 2**-22}),
+                    ("candidate", {"tp": 2, "lost_grad": True})):
+        write_run(tmp_path, run, mode=mode, **kw)
+    ref = load(tmp_path, "reference")
+    got = compare(ref, load(tmp_path, "candidate", tp=2), [load(tmp_path, "perturbed-0")], TolerancePolicy())
+    assert got.verdict == "fail"
+    fd, lost = got.first_divergence, "0/-/out.weight/param_grad"
+    assert (fd.name, fd.module, fd.kind, fd.rel_err) == (lost, "out", "param_grad", math.inf)
+    assert fd.reason.startswith("no gradient") and "never trained" in fd.reason
+    assert [r.name for r in got.results] == ref.order
+    assert [r.index for r in got.results] == list(range(len(ref.order)))
+    assert [r.name for r in got.results if not r.ok] == [lost]
+    assert fd.index == ref.order.index(lost) and fd.index > 0   # the tensors before it were judged, and pass
+    # An isolated rerun lacks the grad too: the culprit is that parameter, alone in its window.
+    from tracer.isolation import name_culprit
+
+    named = name_culprit(got, got)
+    assert named["culprit"]["module"] == "out" and named["culprit"]["resolved"], named
+    assert named["origin"] == "local" and named["blame_window"]["size"] == 1, named
+
+
+def test_a_candidate_lacking_other_tensors_than_param_grads_is_an_error(traces):
+    write_run(traces, "candidate", lost_grad=True, microbatch=1)   # its activations named otherwise too
+    with pytest.raises(TraceError, match=r"traced different tensors.*the runs do not match"):
         compare(load(traces, "reference"), load(traces, "candidate"), [], TolerancePolicy())
 
 

@@ -317,6 +317,20 @@ def test_a_scalar_is_judged_by_its_norm_not_its_microbatchs_envelope(tmp_path):
         assert r.ok == ok and (ok or r.reason.startswith("rel_err")), r
 
 
+def test_an_isolated_rerun_without_a_param_grad_is_judged_locally_on_the_rest(adam_check):
+    """An isolated rerun that never trained a parameter (no param grad; its comparison fails it:
+    tracer.compare, untrained) is judged by the local verdict on every tensor it has."""
+    from tracer.local_verdict import local_errors
+
+    ref, _, candidate = adam_check
+    iso = candidate.isolated()
+    lost = "0/-/layers.1.mlp.fc1.weight/param_grad"
+    honest = local_errors(ref, iso, "bf16")
+    assert lost in honest
+    without = local_errors(ref, iso.restricted([n for n in iso.order if n != lost]), "bf16")
+    assert set(without) == set(honest) - {lost}
+
+
 def test_one_element_moved_8_percent_in_bf16_fails_the_local_verdict_where_the_check_as_run_passes(
         adam_check):
     """One median element moved 8% (an activation, an activation grad, a weight grad): within every
