@@ -10,7 +10,7 @@ parameter its grad. ttrace's check of job=torch_native at pp2_vpp2 x dp2 (`paral
 with `parallel.pp_schedule=InterleavedZeroBubble` or `ZBVZeroBubble` names the last layer's 18
 missing param grads (exit 2).
 
-    python scripts/repro_zb_fsdp_last_stage_grads.py [InterleavedZeroBubble|Interleaved1F1B] [nested|flat]
+    python scripts/repro_zb_fsdp_grads.py [InterleavedZeroBubble|Interleaved1F1B] [nested|flat]
 """
 
 from __future__ import annotations
@@ -46,20 +46,19 @@ class Stage(nn.Module):
         return self.head(x) if self.head is not None else x
 
 
-def rank(r: int, port: int, schedule: str, nested: bool) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
+def _step(schedule: str, nested: bool, mesh: object) -> list[tuple[int, nn.Module]]:
+    """Fresh stages of this rank (same weights every call), one `schedule.step`; the stages."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=r, world_size=4)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
     parts = []
-    for s in (pp, pp + 2):
+    for s in range(4):   # every rank draws every stage's weights: the same weights whichever it holds
         m = Stage(s, head=s == 3)
+        if s not in (pp, pp + 2):
+            continue
         if nested:
             for block in m.layers.values():
                 fully_shard(block, mesh=mesh["dp"])
@@ -67,11 +66,30 @@ def rank(r: int, port: int, schedule: str, nested: bool) -> None:
         parts.append((s, m))
     stages = [PipelineStage(m, s, 4, torch.device("cpu"), group=mesh["pp"].get_group()) for s, m in parts]
     sched = get_schedule_class(schedule)(stages, n_microbatches=4, loss_fn=lambda o, y: (o - y).pow(2).mean())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
     sched.step(*((x,) if pp == 0 else ()), target=y)
-    for s, m in parts:
+    return parts
+
+
+def rank(r: int, port: int, schedule: str, nested: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=r, world_size=4)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    got = _step(schedule, nested, mesh)
+    want = _step("Interleaved1F1B", nested, mesh)   # the same stages under a schedule that trains them right
+    for (s, m), (_, ref) in zip(got, want, strict=True):
         missing = [n for n, p in m.named_parameters() if p.grad is None]
-        print(f"rank {r} stage {s}: {'WRONG, no grad: ' + str(missing) if missing else 'OK'}", flush=True)
+        off = {n: (p.grad.to_local() - q.grad.to_local()).norm().item() / q.grad.to_local().norm().item()
+               for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters(), strict=True)
+               if p.grad is not None}
+        wrong = {n: f"{e:.2g}" for n, e in off.items() if e > 1e-5}
+        verdict = "OK" if not missing and not wrong else (
+            f"WRONG, no grad: {missing}; " * bool(missing) + f"grads off Interleaved1F1B's (rel): {wrong}"
+            * bool(wrong))
+        print(f"rank {r} stage {s}: {verdict}", flush=True)
     dist.destroy_process_group()
 
 

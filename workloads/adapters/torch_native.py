@@ -203,7 +203,7 @@ def _replicated_kv_style() -> Any:
 
 def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
     """torchtitan's recipe: TP(+SP) plan per block, activation checkpointing (parallel.recompute), then
-    FSDP2 per block and at the root."""
+    FSDP2 per block (but under a zero-bubble schedule: torch_pipeline.fsdp_per_block) and at the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -270,8 +270,9 @@ def parallelize(model: Transformer, mesh: Any, cfg: Config) -> None:
         # torchtitan's mixed precision: FSDP2 casts the parameters it gathers and reduces grads in FP32
         mp = MixedPrecisionPolicy(param_dtype=Precision(cfg.precision).param_dtype,
                                   reduce_dtype=torch.float32)
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+        if torch_pipeline.fsdp_per_block(cfg):
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
 
 

@@ -72,6 +72,16 @@ def schedule_refused(cfg: Config) -> str | None:
     return None
 
 
+def fsdp_per_block(cfg: Config) -> bool:
+    """Whether FSDP2 wraps each block of a stage besides the stage (torchtitan's way), or the stage alone.
+    Alone under a zero-bubble schedule: in torch 2.13 its weight passes and per-block FSDP2 leave every
+    stage but the first with wrong grads (50-94% off) and the last with none, silently
+    (scripts/repro_zb_fsdp_grads.py; bug `tn_pp_zero_bubble_fsdp2_grads` keeps torchtitan's wrapping)."""
+    if cfg.parallel.pp == 1 or schedule_name(cfg) not in ZERO_BUBBLE:
+        return True
+    return bugs.active(cfg.bug, "tn_pp_zero_bubble_fsdp2_grads")
+
+
 def stage_ids(pp: int, vpp: int, pp_rank: int, schedule: str = "1F1B") -> list[int]:
     """The stages pipeline rank `pp_rank` holds, in order (looped, or V-shaped for `schedule`)."""
     if schedule in V_SHAPED:
