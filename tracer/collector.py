@@ -148,16 +148,20 @@ class Tracer(TraceScopes):
         """Call after the optimizer step."""
         self._record_params(model, "param")
 
-    def record_param_grad_shards(self, shards: Mapping[str, tuple[torch.Tensor, Layout]]) -> None:
+    def record_param_grad_shards(self, shards: Mapping[str, tuple[torch.Tensor, Layout]
+                                                       | tuple[torch.Tensor, Layout, torch.Tensor]]) -> None:
         """Param grads as a distributed optimizer holds them: `shards[local name] = (this rank's
-        shard, layout of that shard)` (e.g. the plan's layout with a DP shard nested inside)."""
+        shard, layout of that shard)` (e.g. the plan's layout with a DP shard nested inside), or
+        (piece, layout, owned) for a disjoint partial sum: `owned` marks the elements whose reduced value
+        this rank's piece holds (megatron's distributed optimizer: the range it steps), which grad-sign
+        replay edits (tracer.grad_signs.GradSigns.take)."""
         if not self.enabled:
             return
-        for pname, (t, layout) in shards.items():
+        for pname, (t, layout, *owned) in shards.items():
             name, mtype = self._rename(pname), self._params.get(pname, (Replicate(), ""))[1]
             self.record(name, "param_grad", t, layout, module_type=mtype)
             if self._signs is not None:
-                self._signs.take(self._step, name, layout, t)
+                self._signs.take(self._step, name, layout, t, owned=owned[0] if owned else None)
         if self._signs is not None:
             self._signs.release()
 

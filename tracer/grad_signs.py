@@ -36,13 +36,16 @@ EPS_BAND = 1e-6
 
 
 def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor, *, own: torch.Tensor | None = None,
-                         value: torch.Tensor | None = None) -> int:
+                         value: torch.Tensor | None = None, where: torch.Tensor | None = None) -> int:
     """In place: the elements of `grad` whose sign (or that of `own`, the sum `grad` is a piece of)
     differs from `reference`'s, or where the reference's is below EPS_BAND in magnitude, take its value
-    (or `value`'s, the reference's piece of that sum). Returns how many changed."""
+    (or `value`'s, the reference's piece of that sum); only where `where` holds, if given. Returns how
+    many changed."""
     own = grad if own is None else own
     take = (torch.sign(own) != torch.sign(reference)) | (reference.abs() < EPS_BAND)
     take &= own != reference
+    if where is not None:
+        take &= where
     grad[take] = (reference if value is None else value)[take]
     return int(take.sum())
 
@@ -56,7 +59,7 @@ class GradSigns:
         self.elements = 0  # elements seen
 
     def take(self, step: int, param: str, layout: Layout, grad: torch.Tensor,
-             reduced: torch.Tensor | None = None) -> None:
+             reduced: torch.Tensor | None = None, owned: torch.Tensor | None = None) -> None:
         """Param `param`'s grad at `step` (its logical name); `grad`: this rank's piece.
 
         A partial sum's piece (a DTensor grad not reduced yet: torch-native's replicated K/V weights)
@@ -65,7 +68,14 @@ class GradSigns:
         reference's are set so that the sum becomes the reference's value: the reference's value on
         coordinate 0 of the partial axes, zero elsewhere (`Layout.summand`), as the one-device runs
         replaying the same parameter take it. Without it the piece keeps its own values (the
-        reference's value taken into every piece would count it once per piece)."""
+        reference's value taken into every piece would count it once per piece). A disjoint partial
+        sum's piece (a distributed optimizer's range, zeros elsewhere) holds the sum where it is
+        `owned`: those elements are compared and take the reference's value, the rest stay."""
+        if owned is not None:
+            if not layout.disjoint:
+                raise TraceError(f"grad-sign replay of '{param}': `owned` elements are a disjoint partial "
+                                 f"sum's, not of layout {layout.to_json()}")
+            reduced, layout = grad, Layout(layout.shard, (), layout.zigzag)
         if layout.partial and reduced is None:
             return
         name = canonical_name(step, None, param, "param_grad")
@@ -76,8 +86,8 @@ class GradSigns:
                              f"of shape {tuple(grad.shape)} by its layout {layout.to_json()}; the runs "
                              "differ in their model or layout (or set tolerance.grad_signs=own)")
         summand = ref if layout.holds_sum(self.feed.coords) else torch.zeros_like(ref)   # Layout.summand
-        self.taken += take_reference_signs(grad, ref, own=reduced, value=summand)
-        self.elements += grad.numel()
+        self.taken += take_reference_signs(grad, ref, own=reduced, value=summand, where=owned)
+        self.elements += grad.numel() if owned is None else int(owned.sum())
 
     def release(self) -> None:
         """After a step's grads: drop the reference parts they were read from."""

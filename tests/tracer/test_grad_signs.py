@@ -15,7 +15,7 @@ from tracer import Tracer
 from tracer.errors import ConfigError, TraceError
 from tracer.grad_signs import reference_grads, take_reference_signs
 from tracer.job_config import JobConfig
-from tracer.layouts import Partial, Shard
+from tracer.layouts import Layout, Partial, Shard
 from tracer.logical import load_logical
 from tracer.plan import ModuleLayout
 
@@ -106,6 +106,26 @@ def test_a_distributed_optimizers_grad_shards_take_the_reference_signs(tmp_path)
         tr.record_param_grad_shards({"weight": (shard, Shard(0, "dp"))})
     tr.close()
     assert torch.equal(shard, ref_grad[1:])
+
+
+def test_a_distributed_optimizers_owned_range_takes_the_reference_signs(tmp_path):
+    """megatron's distributed optimizer: each DP rank holds the reduced grad in the flat range it owns,
+    zeros elsewhere (a disjoint partial sum over dp). The owned elements take the reference's signs, the
+    rest stay zero: the owner's value counts once (before, the piece was left as it was, and a clean
+    megatron-core bf16 tp2_dp2 zero1 candidate stepped its own signs)."""
+    store = tmp_path / "store"
+    ref_grad = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
+    _run(store, "reference", ref_grad)
+    net = nn.Linear(3, 2)
+    tr = Tracer(str(store), "candidate", 1, coords={"dp": 1}, sizes={"dp": 2}, meta={"fingerprint": "lin"})
+    tr.attach(net, {"": ModuleLayout()})
+    tr.replay_grad_signs(reference_grads(f"{store}/reference", {"dp": 1}, {"dp": 2}))
+    owned = torch.tensor([[False, False, True], [True, True, False]])   # flat range [2, 5)
+    piece = torch.tensor([[0.0, 0.0, -3.0], [-4.5, -5.0, 0.0]])   # two owned signs the other way
+    with tr.step(0):
+        tr.record_param_grad_shards({"weight": (piece, Layout((), ("dp",), (), ("dp",)), owned)})
+    tr.close()
+    assert torch.equal(piece, torch.tensor([[0.0, 0.0, 3.0], [-4.5, 5.0, 0.0]]))
 
 
 def test_a_partial_sums_piece_keeps_its_own_signs(tmp_path):
