@@ -53,9 +53,18 @@ class _PerturbGrad(torch.autograd.Function):
         return ctx.noise(g), None
 
 
+def grad_drawn(x: torch.Tensor, noise: RoundingDraw) -> torch.Tensor:
+    """x, whose grad is drawn again on its way back (a GEMM's input: its input grad)."""
+    return _PerturbGrad.apply(x, noise)
+
+
+def drawn(y: torch.Tensor, noise: RoundingDraw) -> torch.Tensor:
+    """y drawn again (a GEMM's output), its grad passed through unchanged."""
+    return y + (noise(y.detach()) - y.detach())
+
+
 def perturbed_linear(linear: Callable[..., torch.Tensor], noise: RoundingDraw) -> Callable[..., torch.Tensor]:
     """`linear` whose output (forward) and input grad (backward) are each drawn again (RoundingDraw)."""
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        y = linear(_PerturbGrad.apply(x, noise), w, b)
-        return y + (noise(y.detach()) - y.detach())
+        return drawn(linear(grad_drawn(x, noise), w, b), noise)
     return f

@@ -46,5 +46,5 @@ def test_the_bf16_bench_runs_every_bug_that_validates_in_bf16():
     assert {"hf_gqa_kv_replicated_plan", "tn_gqa_kv_gathered_output", "dp_grad_not_averaged"} <= set(keep)
     assert "sets precision=fp8" in left["fp8_amax_unreduced"]
     megatron = {n for n, b in CATALOG.items() if b.job == "megatron_core"}
-    assert megatron and all("fp32" in left[n] for n in megatron)
+    assert megatron and megatron <= set(keep)   # megatron-core runs Megatron-LM's bf16
     assert sorted(keep + list(left)) == sorted(CATALOG)

@@ -167,6 +167,7 @@ def test_tied_embeddings_over_two_stages_are_one_tensor_in_both(plans):
 # importing megatron-core, ~6 s of CPU each); the other megatron bugs: `make bench-bugs`.
 BUGGY = [n for n, b in bugs.CATALOG.items() if b.job == "megatron_core"][:1]
 ZERO1_BUG = "megatron_zero1_gather_offset_wrong"
+BF16 = ["parallel=tp2_dp2", "++parallel.zero1=true", "precision=bf16"]
 VPP_BUG = "megatron_vpp_layer_offset_wrong"
 
 
@@ -188,9 +189,12 @@ def results(ray_cluster, tmp_path_factory):
               (compose(["parallel=pp2_vpp2", *common]), work / "clean-pp2_vpp2"),
               (compose([*bugs.CATALOG[VPP_BUG].trigger, f"bug={VPP_BUG}", "localize=false", *common]),
                work / VPP_BUG)]
+    # Megatron-LM's bf16 (Float16Module, FP32 main grads and params) under TP and its distributed optimizer,
+    # judged on the 3 perturbed runs bf16's tolerance is calibrated on.
+    items += [(compose([*BF16, *common, "tolerance.perturbations=3"]), work / "clean-bf16")]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG, "clean-pp2_vpp2", VPP_BUG], out,
-                    strict=True))
+    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG, "clean-pp2_vpp2", VPP_BUG,
+                     "clean-bf16"], out, strict=True))
 
 
 def test_clean_megatron_tp2_sp_passes(results):
@@ -245,3 +249,29 @@ def test_megatron_interleaved_pipeline_clean_passes_and_misnumbered_chunks_are_n
     assert buggy.verdict == "fail" and buggy.exit_code == 1, buggy.message
     fd = buggy.report["first_divergence"]
     assert fnmatch.fnmatch(f"{fd['module']}/{fd['kind']}", bugs.CATALOG[VPP_BUG].expect), fd
+
+
+def test_megatron_bf16_under_tp_and_its_distributed_optimizer_passes_as_megatron_lm_runs_it(results):
+    """precision=bf16 is Megatron-LM's: BF16 parameters and activations (Float16Module), FP32 main grads
+    (DDP's grad buffer) that the distributed optimizer steps as FP32 main params, GEMMs as a GPU computes
+    them (workloads/bf16_dispatch.py), and perturbed references that draw GEMM roundings. The clean check
+    passes only if grad-sign replay reaches the ranges the distributed optimizer steps (without it the
+    candidate stepped its own signs: 22 word-embedding elements failed)."""
+    import json
+    from pathlib import Path
+
+    res = results["clean-bf16"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    store, refs = Path(res.report["store"]), Path(res.report["reference"]["url"])
+    cand = [json.loads(m.read_text()) for m in sorted((store / "candidate").glob("rank*/manifest.json"))]
+    pert = json.loads((refs / "perturbed-1" / "rank00000" / "manifest.json").read_text())
+    assert len(cand) == 4
+    for m in (*cand, pert):
+        dtypes = {(e["kind"], e["dtype"]) for e in m["entries"]}
+        assert {("param", "bfloat16"), ("param_grad", "float32"), ("grad_output", "bfloat16"),
+                ("output", "bfloat16")} <= dtypes and ("param", "float32") not in dtypes, dtypes
+        assert m["meta"]["perturbation"] == "gemm" and m["meta"]["precision"] == "bf16", m["meta"]
+    # the distributed optimizer's ranges: each param grad a disjoint partial sum over dp
+    layouts = {json.dumps(e["layout"], sort_keys=True) for e in cand[0]["entries"]
+               if e["kind"] == "param_grad"}
+    assert all('"disjoint": ["dp"]' in lay for lay in layouts), layouts

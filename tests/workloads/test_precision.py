@@ -27,6 +27,55 @@ def test_bf16_gemm_is_fp32_accumulation_of_bf16_inputs_rounded_once():
     assert torch.equal(w.grad, (g.float().reshape(-1, 32).t() @ x.float().reshape(-1, 64)).bfloat16())
 
 
+def test_the_gpu_bf16_mode_computes_gemms_and_norm_and_embedding_grads_in_fp32_rounded_once():
+    """workloads/bf16_dispatch.GpuBF16, around third-party BF16 code (megatron-core's): torch's own BF16
+    GEMM calls, forward and in an autograd.Function's backward, are FP32 accumulations rounded once;
+    LayerNorm's and the embedding's grads are the FP32 computation rounded once, on any thread count
+    (the CPU kernels accumulate them in BF16: 1e-2 off, thread-dependent)."""
+    from workloads.bf16_dispatch import GpuBF16
+
+    class Matmul(torch.autograd.Function):   # as megatron's linear layers: GEMMs in a Python backward
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return torch.matmul(x, w.t())
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g.matmul(w), g.t().matmul(x)
+
+    x = torch.randn(48, 64, generator=G(0)).bfloat16().requires_grad_()
+    w = torch.randn(32, 64, generator=G(1)).bfloat16().requires_grad_()
+    g = torch.randn(48, 32, generator=G(2)).bfloat16()
+    with GpuBF16():
+        y = Matmul.apply(x, w)
+        y.backward(g)
+    assert torch.equal(y, (x.float() @ w.float().t()).bfloat16())
+    assert torch.equal(x.grad, (g.float() @ w.float()).bfloat16())
+    assert torch.equal(w.grad, (g.float().t() @ x.float()).bfloat16())
+
+    h = torch.randn(64, 256, generator=G(3)).bfloat16()
+    gh = torch.randn(64, 256, generator=G(4)).bfloat16()
+    tokens = torch.randint(0, 8, (512,), generator=G(5))   # repeated tokens: sums in the weight grad
+    ge = torch.randn(512, 16, generator=G(6)).bfloat16()
+    got = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        norm, emb = nn.LayerNorm(256).bfloat16(), nn.Embedding(8, 16).bfloat16()
+        with GpuBF16():
+            norm(h).backward(gh)
+            emb(tokens).backward(ge)
+        got.append((norm.weight.grad, norm.bias.grad, emb.weight.grad))
+    exact_norm, exact_emb = nn.LayerNorm(256), nn.Embedding(8, 16)
+    exact_norm(h.float()).backward(gh.float())
+    exact_emb(tokens).backward(ge.float())
+    for grads in got:
+        assert torch.equal(grads[0], exact_norm.weight.grad.bfloat16())
+        assert torch.equal(grads[1], exact_norm.bias.grad.bfloat16())
+        assert torch.equal(grads[2], exact_emb.weight.grad.bfloat16())
+
+
 def test_fp8_quantization_uses_the_amax_scale_and_saturates():
     t = torch.randn(1000, generator=G(4)) * 0.02
     amax = t.abs().max()

@@ -37,9 +37,13 @@ from tracer.errors import ConfigError
 from tracer.job import Session
 from workloads import bugs, faults, harness, lr_schedule
 from workloads.adapters import megatron_shims
+from workloads.bf16_dispatch import GpuBF16
 from workloads.config import pp_schedule_refused, recompute_refused
+from workloads.precision import perturbation_of, weights_refused
+from workloads.rounding_draws import drawn, grad_drawn, module_draw
 
 NAME = "megatron_core"
+PRECISIONS = ("fp32", "bf16")
 SUPPORTED_PARALLEL_KEYS = ("name", "world_size", "tp", "pp", "sp")
 
 
@@ -77,8 +81,10 @@ def validate(spec: Mapping[str, Any]) -> None:
     need(gb % (mb * dp) == 0, f"global_batch={gb} must be divisible by micro_batch*dp={mb * dp}")
     need(vpp == 1 or (gb // (mb * dp)) % pp == 0, f"megatron's interleaved schedule needs the rank's "
          f"{gb // max(1, mb * dp)} microbatches to be a multiple of pp={pp}")
-    need((spec.get("precision") or {}).get("name", "fp32") == "fp32",
-         "only precision=fp32 runs on CPU (megatron-core's bf16/fp8 paths need CUDA/Transformer Engine)")
+    precision = (spec.get("precision") or {}).get("name", "fp32")
+    need(precision in PRECISIONS, f"precision={precision}: megatron-core runs fp32 or bf16 here (its fp8 "
+         "needs Transformer Engine)")
+    need((why := weights_refused(spec)) is None, str(why))
     bug = bugs.bug_name(spec)
     need(bug == bugs.NONE or bug in _bugs(),
          f"bug={bug} is not a megatron-core bug; known: {', '.join(_bugs())} (or 'none')")
@@ -167,6 +173,8 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool, vpp: int = 1) -
     from megatron.core.transformer import TransformerConfig
 
     m = spec["model"]
+    bf16 = _bf16(spec)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     # parallel.recompute: megatron's own recomputation, its CheckpointFunction running each layer (full:
     # `--recompute-granularity full --recompute-method uniform --recompute-num-layers 1`) or each core
     # attention (selective: `--recompute-activations`) under no_grad and again in backward, its RNG
@@ -178,7 +186,7 @@ def _config(spec: Mapping[str, Any], tp: int, pp: int, sp: bool, vpp: int = 1) -
     return TransformerConfig(
         num_layers=m["layers"], hidden_size=m["hidden"], num_attention_heads=m["heads"],
         ffn_hidden_size=m["ffn_hidden"], tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        sequence_parallel=sp, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        sequence_parallel=sp, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
         use_cpu_initialization=True, perform_initialization=False,   # ttrace's consistent init instead
         hidden_dropout=0.0, attention_dropout=0.0,
         # CPU: the unfused paths (no apex / Transformer Engine kernels)
@@ -240,6 +248,7 @@ def _train(job: harness.RankJob) -> list[float]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
 
     from tracer.integrations.megatron_core import chunks_renaming, layer_renaming, plan_for, tied_renaming
 
@@ -254,8 +263,12 @@ def _train(job: harness.RankJob) -> list[float]:
               "dp": mps.get_data_parallel_rank()}
     sizes = {"tp": tp, "pp": pp, "dp": dp}
     config = _config(spec, tp, pp, sp, vpp)
+    bf16 = _bf16(spec)
     with megatron_shims.cpu_tensors_as_cuda():   # a tied output layer's copy is synced at its build
         chunks = [_build(spec, config, v if vpp > 1 else None) for v in range(vpp)]
+        # bf16: Megatron-LM's get_model wraps each chunk in Float16Module (every parameter BF16, the
+        # first stage's float inputs cast, the last stage's outputs back to FP32); ttrace traces the chunk
+        wrapped = [Float16Module(config, c) if bf16 else c for c in chunks]
     if vpp == 1:
         model, rename = chunks[0], layer_renaming(chunks[0])
     else:   # a rank's chunks, traced as one model whose names drop the chunk index (the integration)
@@ -267,15 +280,20 @@ def _train(job: harness.RankJob) -> list[float]:
     tensor_parallel_attrs(model, plan)
     zero1 = bool(p.get("zero1"))
     owned = _owned_layouts(model, plan) if zero1 else {}
+    # bf16: FP32 main grads, reduced in FP32 (Megatron-LM sets --accumulate-allreduce-grads-in-fp32 for it)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=zero1,
-                                               bucket_size=None)
+                                               bucket_size=None, grad_reduce_in_fp32=bf16)
     # one DDP per chunk, bucketing off after the first (as Megatron-LM's get_model sets it up)
     ddps = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=v > 0)
-            for v, c in enumerate(chunks)]
-    tracer.attach(model, plan, rename=rename, coords=coords, sizes=sizes, meta={"pp_stage": coords["pp"]})
+            for v, c in enumerate(wrapped)]
+    moves = perturbation_of(spec)   # fp32: weights moved one ulp (by attach); bf16: GEMM roundings drawn
+    if tracer.role == "perturbed" and moves == "gemm":
+        _draw_gemms(model, rename, tracer.perturb or 0, coords["dp"])
+    tracer.attach(model, plan, rename=rename, coords=coords, sizes=sizes, perturb=moves == "weights",
+                  meta={"pp_stage": coords["pp"], "perturbation": moves})
     m_local, mbs = cfg.micro_batches_local, cfg.micro_batch
     tracer.set_grad_scale(m_local / cfg.micro_batches_global)
-    optimizer = _optimizer(ddps, cfg, zero1)
+    optimizer = _optimizer(ddps, cfg, zero1, bf16)
     adam, owners, shards = _adam_tensors(optimizer, model)
     tracer.load_optimizer_state(adam, model, plan, params=owners, shard=shards, rename=rename, coords=coords,
                                 sizes=sizes)   # init.checkpoint's Adam state, when it holds one
@@ -312,14 +330,17 @@ def _train(job: harness.RankJob) -> list[float]:
             optimizer.zero_grad(set_to_none=True)
             # interleaved (vpp): each chunk reads the step's microbatches in order from its own iterator
             data = iter(batches) if vpp == 1 else [iter(batches) for _ in chunks]
-            forward_backward(forward_step_func=forward_step, data_iterator=data, model=ddps,
-                             num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
-                             forward_only=False)
+            with GpuBF16() if bf16 else contextlib.nullcontext():   # workloads/bf16_dispatch.py
+                forward_backward(forward_step_func=forward_step, data_iterator=data, model=ddps,
+                                 num_microbatches=m_local, seq_length=seq, micro_batch_size=mbs,
+                                 forward_only=False)
             faults.maybe_inject(spec, job.rank, step)
             # DP all-reduce (zero1: reduce-scatter), SP LayerNorm grads over TP, embeddings
             finalize_model_grads(ddps)
             if zero1:
-                tracer.record_param_grad_shards(_owned_grads(optimizer, model, owned))
+                grads = _owned_grads(optimizer, model, owned)
+                tracer.record_param_grad_shards(grads)
+                _owned_grads_back(optimizer, model, grads)   # as grad-sign replay left them
             else:
                 tracer.record_param_grads(model)
             scheduler.set(optimizer)
@@ -333,13 +354,15 @@ def _train(job: harness.RankJob) -> list[float]:
     return step_losses
 
 
-def _optimizer(ddps: list[Any], cfg: Any, zero1: bool) -> Any:
+def _optimizer(ddps: list[Any], cfg: Any, zero1: bool, bf16: bool) -> Any:
     """megatron's optimizer for the model: Adam (torch's, where neither Transformer Engine nor apex is
-    installed) with its global grad-norm clipping; with `zero1` its DistributedOptimizer."""
+    installed) with its global grad-norm clipping; with `zero1` its DistributedOptimizer; in bf16 its
+    mixed-precision optimizer (FP32 main params, copied back to the BF16 parameters after each step)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(optimizer="adam", lr=cfg.lr, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                             adam_eps=1e-8, clip_grad=cfg.clip_grad, params_dtype=torch.float32,
+                             adam_eps=1e-8, clip_grad=cfg.clip_grad, bf16=bf16,
+                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=zero1)
     with megatron_shims.cpu_tensors_as_cuda():
         return get_megatron_optimizer(config, ddps)
@@ -352,15 +375,26 @@ def _adam_tensors(optimizer: Any, model: nn.Module) -> tuple[torch.optim.Optimiz
     rank owns none of it)."""
     (inner,) = optimizer.chained_optimizers   # one: no expert parameters
     adam = inner.optimizer
-    if not hasattr(inner, "shard_fp32_groups"):   # FP32Optimizer: steps the parameters themselves
-        return adam, [q for _, q in model.named_parameters()], [None] * len(list(model.parameters()))
-    shard_of = {id(m): s for mg, sg in zip(inner.model_fp32_groups, inner.shard_fp32_groups, strict=True)
-                for m, s in zip(mg, sg, strict=True)}
-    owners, cuts = [], []
-    for _, q in model.named_parameters():
-        owners.append(shard_of.get(id(q)))
-        r = _owned_range(inner, q)
-        cuts.append(None if r is None else (lambda t, r=r: t.reshape(-1)[r.start:r.end]))
+    named = list(model.named_parameters())
+    if not hasattr(inner, "shard_fp32_groups"):
+        # FP32Optimizer steps the parameters themselves, the bf16 one their FP32 main params
+        owners, cuts = [getattr(q, "main_param", q) for _, q in named], [None] * len(named)
+    else:
+        # model params and the shards stepped: FP32 params' own, BF16 params' FP32 main copies
+        pairs = [*zip(inner.model_fp32_groups, inner.shard_fp32_groups, strict=True),
+                 *zip(inner.model_float16_groups, inner.shard_fp32_from_float16_groups, strict=True)]
+        shard_of = {id(m): s for mg, sg in pairs for m, s in zip(mg, sg, strict=True)}
+        owners, cuts = [], []
+        for _, q in named:
+            owners.append(shard_of.get(id(q)))
+            r = _owned_range(inner, q)
+            cuts.append(None if r is None else (lambda t, r=r: t.reshape(-1)[r.start:r.end]))
+    # Adam's state is keyed by the tensors it steps: a state loaded for another would be ignored, silently
+    stepped = {id(t) for g in adam.param_groups for t in g["params"]}
+    lost = [n for (n, _), o in zip(named, owners, strict=True) if o is not None and id(o) not in stepped]
+    if lost:
+        raise RuntimeError(f"megatron-core's optimizer does not step the tensors found for {lost[:3]}: "
+                           "its Adam state would not load there (megatron-core's optimizer layout changed?)")
     return adam, owners, cuts
 
 
@@ -377,21 +411,35 @@ def _owned_layouts(model: nn.Module, plan: dict[str, Any]) -> dict[str, Layout]:
 
 
 def _owned_grads(optimizer: Any, model: nn.Module,
-                 layouts: dict[str, Layout]) -> dict[str, tuple[torch.Tensor, Layout]]:
+                 layouts: dict[str, Layout]) -> dict[str, tuple[torch.Tensor, Layout, torch.Tensor]]:
     """Each parameter's grad as the distributed optimizer holds it after the reduce-scatter (module doc):
     the reduced elements of the ranges this rank owns, zeros elsewhere, a partial sum over dp (`layouts`:
-    `_owned_layouts`)."""
+    `_owned_layouts`), and the mask of those elements (Session.record_param_grad_shards)."""
     (inner,) = optimizer.chained_optimizers
     out = {}
     for name, q in model.named_parameters():
         if not q.requires_grad:   # frozen: no grad buffer, no record (as record_param_grads)
             continue
         grad = torch.zeros_like(q.main_grad)
+        owned = torch.zeros(q.main_grad.shape, dtype=torch.bool)
         r = _owned_range(inner, q)
         if r is not None:
             grad.view(-1)[r.start:r.end] = q.main_grad.view(-1)[r.start:r.end]
-        out[name] = (grad, layouts[name])
+            owned.view(-1)[r.start:r.end] = True
+        out[name] = (grad, layouts[name], owned)
     return out
+
+
+def _owned_grads_back(optimizer: Any, model: nn.Module, grads: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """The owned ranges of `grads` (`_owned_grads`' copies, recorded) written back into the grad buffer
+    the distributed optimizer reads: grad-sign replay (tracer/grad_signs.py) edits the recorded tensors.
+    Without it, a zero1 candidate stepped its own signs (a clean megatron-core bf16 tp2_dp2 zero1 check
+    failed at 22 of the word embedding's 868 near-zero-grad elements, which no perturbed run moved)."""
+    (inner,) = optimizer.chained_optimizers
+    for name, q in model.named_parameters():
+        r = _owned_range(inner, q) if name in grads else None
+        if r is not None:
+            q.main_grad.view(-1)[r.start:r.end] = grads[name][0].view(-1)[r.start:r.end]
 
 
 def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
@@ -404,3 +452,19 @@ def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
         p.tensor_model_parallel = bool(shard)
         p.partition_dim = shard[0][0] if shard else -1
         p.partition_stride = 1
+
+
+def _bf16(spec: Mapping[str, Any]) -> bool:
+    return (spec.get("precision") or {}).get("name", "fp32") == "bf16"
+
+
+def _draw_gemms(model: nn.Module, rename: Any, run: int, stream: int) -> None:
+    """A bf16 perturbed reference: every megatron linear layer's GEMM result (forward output, input grad)
+    drawn again at its rounding, keyed by the layer's global name (workloads/rounding_draws.py)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            draw = module_draw(run, rename(name) if rename else name, stream, "bf16")
+            m.register_forward_pre_hook(lambda _, args, d=draw: (grad_drawn(args[0], d), *args[1:]))
+            m.register_forward_hook(lambda _, args, out, d=draw: (drawn(out[0], d), *out[1:]))
