@@ -309,7 +309,7 @@ CATALOG.update({b.name: b for b in (
         "weight grads (50-94% off) and the last stage with none, so Adam skips it. The bug is torch's; the "
         "switch keeps torchtitan's per-block wrapping where the job wraps each stage whole under a "
         "zero-bubble schedule (torch_pipeline.fsdp_per_block)",
-        8, "job=torch_native, a zero-bubble schedule, dp>1 (trigger: parallel=pp2_vpp2, world_size=4)",
+        12, "job=torch_native, a zero-bubble schedule, dp>1 (trigger: parallel=pp2_vpp2, world_size=4)",
         "the second stage's first param_grad at step 0 (layers.1); the last stage's param grads are "
         "missing (a FAIL each: never trained)",
         job="torch_native", trigger=("job=torch_native", "parallel=pp2_vpp2", "parallel.world_size=4",
