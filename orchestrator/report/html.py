@@ -109,7 +109,7 @@ def render(report: dict[str, Any]) -> str:
                      for title, kinds in PHASES)
     rows = [{c: t.get(c) for c in COLUMNS if c != "ratio"} |
             {"ratio": (t["rel_err"] / t["tolerance"]) if t["tolerance"] else 0.0} for t in tensors]
-    data = json.dumps(rows, default=str).replace("</", "<\\/")
+    data = _json_for_js(rows).replace("</", "<\\/")
     head = "".join(f'<th data-col="{c}">{c}</th>' for c in COLUMNS)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ttrace {html.escape(what)}: {verdict}</title>
@@ -169,6 +169,22 @@ th{{cursor:pointer;background:#f4f4f4}} tr.bad td{{background:#fde8e6}} tr.first
 }})();
 </script></body></html>
 """
+
+
+_INF = "__ttrace_inf__"
+
+
+def _json_for_js(rows: list[dict[str, Any]]) -> str:
+    """`rows` as JSON that the page's JSON.parse takes: an infinite figure (a tensor the candidate never
+    produced, a shape mismatch) written as 1e999, which parses to Infinity and sorts as a number, a NaN
+    as "nan". Python's Infinity and NaN tokens are not JSON: JSON.parse threw on them and the table was
+    left empty."""
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("" if v > 0 else "-") + _INF
+        return v
+    text = json.dumps([{k: finite(v) for k, v in r.items()} for r in rows], default=str, allow_nan=False)
+    return text.replace(f'"-{_INF}"', "-1e999").replace(f'"{_INF}"', "1e999")
 
 
 def write_html(report: dict[str, Any], path: Path) -> Path:

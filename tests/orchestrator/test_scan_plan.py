@@ -49,6 +49,27 @@ def test_the_report_draws_each_modules_error_over_steps_and_mlflow_gets_a_point_
                                       "scan.err_over_tol.param", "scan.loss_gap", "scan.loss_spread"}
 
 
+def test_the_reports_table_data_is_json_a_browser_parses_with_infinite_and_nan_figures():
+    """An untrained param grad (rel_err inf, cosine NaN) in report.html's table data: strict JSON
+    (JSON.parse refuses Python's Infinity and NaN, and the table stayed empty), inf as 1e999."""
+    import json
+    import math
+    import re
+
+    tensor = {"index": 0, "name": "0/-/w/param_grad", "module": "w", "module_type": "Linear",
+              "kind": "param_grad", "rel_err": math.inf, "tolerance": 1e-6, "max_err": -math.inf,
+              "cosine": math.nan, "nonfinite": 0, "replica_err": 0.0, "ok": False, "reason": "no gradient"}
+    report = {"verdict": "fail", "recipe": {}, "tensors": [tensor],
+              "first_divergence": {**tensor, "reason": "no gradient"}}
+    data = re.search(r'<script type="application/json" id="data">(.*?)</script>', render(report), re.S)[1]
+
+    def strict(token):
+        raise ValueError(f"{token} is not JSON")
+    (row,) = json.loads(data, parse_constant=strict)
+    assert row["rel_err"] == math.inf and row["max_err"] == -math.inf and row["cosine"] == "nan"
+    assert row["ratio"] == math.inf and row["name"] == "0/-/w/param_grad"
+
+
 def test_the_first_steps_checked_in_full_default_to_a_checks_two_and_never_exceed_the_scan(tmp_path):
     assert full_steps(compose(["steps=150"])) == 2
     assert full_steps(compose(["steps=1"])) == 1
