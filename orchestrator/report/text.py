@@ -78,7 +78,8 @@ def render(report: dict[str, Any], console: Console) -> None:
     for key in sorted(k for k in mm if k.startswith("rel_err/")):
         group = key.removeprefix("rel_err/")
         ratio = mm[f"err_over_tol/{group}"]
-        table.add_row(group, f"{mm[key]:.3g}", f"[{'red' if ratio > 1 else 'green'}]{ratio:.3g}[/]")
+        shown = lambda x: "inf" if x >= 1e300 else f"{x:.3g}"   # module_metrics caps inf for MLflow
+        table.add_row(group, shown(mm[key]), f"[{'red' if ratio > 1 else 'green'}]{shown(ratio)}[/]")
     console.print(table)
     worst = sorted(tensors, key=lambda t: -(t["rel_err"] / t["tolerance"] if t["tolerance"] else 0))[:10]
     top = Table(title="largest rel_err / tolerance")
