@@ -91,21 +91,28 @@ def test_a_dtensor_traced_run_takes_the_reference_signs(tmp_path, capfd):
     assert torch.equal(load_logical(str(store), "candidate", 1).tensors["0/-/weight/param_grad"].tensor, own)
 
 
+REF_GRAD = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
+
+
+def _replaying(tmp_path, axis: str) -> Tracer:
+    """A candidate rank (coordinate 1 of `axis`, size 2) replaying REF_GRAD, the reference's Linear grad."""
+    store = tmp_path / "store"
+    _run(store, "reference", REF_GRAD)
+    tr = Tracer(str(store), "candidate", 1, coords={axis: 1}, sizes={axis: 2}, meta={"fingerprint": "lin"})
+    tr.attach(nn.Linear(3, 2), {"": ModuleLayout()})
+    tr.replay_grad_signs(reference_grads(f"{store}/reference", {axis: 1}, {axis: 2}))
+    return tr
+
+
 def test_a_distributed_optimizers_grad_shards_take_the_reference_signs(tmp_path):
     """ZeRO-1: each DP rank traces the shard of the grad its optimizer steps (layout: the rows this rank
     holds); the shard takes the signs of the same rows of the reference's grad."""
-    store = tmp_path / "store"
-    ref_grad = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
-    _run(store, "reference", ref_grad)
-    net = nn.Linear(3, 2)
-    tr = Tracer(str(store), "candidate", 1, coords={"dp": 1}, sizes={"dp": 2}, meta={"fingerprint": "lin"})
-    tr.attach(net, {"": ModuleLayout()})
-    tr.replay_grad_signs(reference_grads(f"{store}/reference", {"dp": 1}, {"dp": 2}))
+    tr = _replaying(tmp_path, "dp")
     shard = torch.tensor([[4.0, -5.0, 6.0]])   # row 1, every sign the other way
     with tr.step(0):
         tr.record_param_grad_shards({"weight": (shard, Shard(0, "dp"))})
     tr.close()
-    assert torch.equal(shard, ref_grad[1:])
+    assert torch.equal(shard, REF_GRAD[1:])
 
 
 def test_a_distributed_optimizers_owned_range_takes_the_reference_signs(tmp_path):
@@ -113,13 +120,7 @@ def test_a_distributed_optimizers_owned_range_takes_the_reference_signs(tmp_path
     zeros elsewhere (a disjoint partial sum over dp). The owned elements take the reference's signs, the
     rest stay zero: the owner's value counts once (before, the piece was left as it was, and a clean
     megatron-core bf16 tp2_dp2 zero1 candidate stepped its own signs)."""
-    store = tmp_path / "store"
-    ref_grad = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
-    _run(store, "reference", ref_grad)
-    net = nn.Linear(3, 2)
-    tr = Tracer(str(store), "candidate", 1, coords={"dp": 1}, sizes={"dp": 2}, meta={"fingerprint": "lin"})
-    tr.attach(net, {"": ModuleLayout()})
-    tr.replay_grad_signs(reference_grads(f"{store}/reference", {"dp": 1}, {"dp": 2}))
+    tr = _replaying(tmp_path, "dp")
     owned = torch.tensor([[False, False, True], [True, True, False]])   # flat range [2, 5)
     piece = torch.tensor([[0.0, 0.0, -3.0], [-4.5, -5.0, 0.0]])   # two owned signs the other way
     with tr.step(0):
@@ -132,12 +133,7 @@ def test_a_partial_sums_piece_keeps_its_own_signs(tmp_path):
     """A grad not reduced yet (a Partial DTensor grad: torch-native's replicated K/V weights) is a
     summand: the reference's signs are the sum's, and its value taken into each piece would count it
     once per piece (every clean torch-native tp2_sp bf16 check failed that way, 5 of 5)."""
-    store = tmp_path / "store"
-    _run(store, "reference", torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]]))
-    net = nn.Linear(3, 2)
-    tr = Tracer(str(store), "candidate", 1, coords={"tp": 1}, sizes={"tp": 2}, meta={"fingerprint": "lin"})
-    tr.attach(net, {"": ModuleLayout()})
-    tr.replay_grad_signs(reference_grads(f"{store}/reference", {"tp": 1}, {"tp": 2}))
+    tr = _replaying(tmp_path, "tp")
     piece = torch.tensor([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]])   # every sign the other way
     with tr.step(0):
         tr.record_param_grad_shards({"weight": (piece, Partial("tp"))})

@@ -10,6 +10,11 @@ the recipe and initializes weights consistently (tracer.full_tensor, sliced by t
 megatron's module attributes). The CPU shims live in `megatron_shims`. It is an entrypoint of the job
 contract (`main`) on the shared per-rank harness (workloads/harness.py).
 
+`precision=bf16` is Megatron-LM's: each chunk in megatron's `Float16Module`, FP32 main grads reduced in
+FP32, megatron's mixed-precision optimizer stepping FP32 main params; the schedule's forwards and
+backwards run under workloads.bf16_dispatch.GpuBF16 (BF16 GEMMs, LayerNorm and embedding grads as a GPU
+computes them), and a perturbed reference draws every linear layer's GEMM roundings (`_draw_gemms`).
+
 Under the distributed optimizer, each DP rank's grad buffer holds the reduced grad only in the range
 of each parameter it owns (the rest is its own unreduced contribution): a rank records each parameter's
 grad as those elements and zeros elsewhere, a partial sum over `dp` whose ranks' summands add up to the
