@@ -17,8 +17,12 @@ A module can run more than once for one microbatch:
 
 A recomputation is matched to the oldest forward of the same module in this step that has not been
 recomputed yet: every pipeline schedule runs the microbatches' backwards in the order of their
-forwards, per model chunk. A job that runs one backward over several microbatches' losses leaves that
-order to autograd; a mismatch seen (no forward left, or another shape) is an error, never a guess."""
+forwards, per model chunk. A zero-bubble schedule's weight pass of one microbatch (`repeating`:
+Tracer.repeated_backward) recomputes what its input pass did, once per parameter group it
+backpropagates to: the first time it is matched to the oldest forward recomputed once (or not yet,
+where the input pass computed nothing, as the first stage's), every later time in that pass to the
+same. A job that runs one backward over several microbatches' losses leaves that order to autograd;
+a mismatch seen (no forward left, or another shape) is an error, never a guess."""
 
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class ModuleCalls:
 
     def __init__(self) -> None:
         self.recomputed_forwards = 0   # over the run: said in the rank's log (a job's AC seen working)
+        self._pass: dict[str, Call] | None = None   # inside a weight pass: path -> the call it repeats
         self.reset()
 
     def reset(self) -> None:
@@ -53,6 +58,11 @@ class ModuleCalls:
         # path -> its forwards not recomputed yet, Call's fields flat (3 cells a call: a tuple per
         # call would be an object the cyclic GC tracks, tracer/writer.py says what those cost)
         self._open: dict[str, deque] = {}
+        self._again: dict[str, deque] = {}   # path -> its forwards recomputed once, Call's fields flat
+
+    def repeating(self, on: bool) -> None:
+        """A zero-bubble weight pass of one microbatch starts (True) or ends (module doc)."""
+        self._pass = {} if on else None
 
     def forward(self, path: str, step: int, microbatch: int | None,
                 shape: torch.Size) -> tuple[Call | None, int | None, str]:
@@ -82,6 +92,18 @@ class ModuleCalls:
 
     def recomputed(self, path: str, step: int, shape: torch.Size) -> Call:
         """The forward that this recomputation of `path` in backward repeats (module doc)."""
+        if self._pass is not None:   # a weight pass (module doc)
+            call = self._pass.get(path)
+            if call is None:
+                again = self._again.get(path)
+                call = self._pass[path] = (Call(again.popleft(), again.popleft(), again.popleft()) if again
+                                           else self._first_recomputation(path, step, shape))
+            return call
+        call = self._first_recomputation(path, step, shape)
+        self._again.setdefault(path, deque()).extend(call)   # a weight pass may recompute it again
+        return call
+
+    def _first_recomputation(self, path: str, step: int, shape: torch.Size) -> Call:
         calls = self._open.get(path)
         if not calls:
             raise TraceError(f"traced module '{path}' ran its forward during step {step}'s backward "

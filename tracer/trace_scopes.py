@@ -61,7 +61,9 @@ class TraceScopes:
         input pass delivered (and recorded). Outside, a second delivery is recorded, a name twice: an
         error at commit, never one of them kept silently."""
         self._repeats = True
+        self._calls.repeating(True)   # and its recomputations repeat (tracer/module_calls.py)
         try:
             yield
         finally:
             self._repeats = False
+            self._calls.repeating(False)

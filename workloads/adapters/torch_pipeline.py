@@ -65,10 +65,6 @@ def schedule_refused(cfg: Config) -> str | None:
     if name == "DualPipeV" and cfg.micro_batches_local < 2 * cfg.parallel.pp:
         return (f"parallel.pp_schedule=DualPipeV needs at least as many microbatches per DP rank as "
                 f"stages ({2 * cfg.parallel.pp}), not {cfg.micro_batches_local}: lower data.micro_batch")
-    if name in ZERO_BUBBLE and cfg.parallel.recompute != "none":
-        return (f"parallel.pp_schedule={name} with parallel.recompute={cfg.parallel.recompute}: its input "
-                "and weight passes each recompute a block's forward, and ttrace matches one recomputation "
-                "to each forward (tracer/module_calls.py); set parallel.recompute=none for the check")
     return None
 
 
