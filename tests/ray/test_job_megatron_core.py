@@ -180,11 +180,11 @@ def results(ray_cluster, tmp_path_factory):
     # tracing, and the recomputation besides.
     items = [(compose(["parallel=tp2_sp", "parallel.recompute=full", *common]), work / "clean-tp2_sp")]
     items += [(compose([*bugs.CATALOG[b].trigger, f"bug={b}", *common]), work / b) for b in BUGGY]
-    # megatron's DistributedOptimizer (ZeRO-1 over dp=2), clean and with its param all-gather misplaced
-    # (localize=false: the isolation pass on megatron's modules is the bug above's to show).
-    # And its interleaved pipeline (pp=2 x vpp=2), clean and with its chunks' layer numbers wrong.
-    items += [(compose(["parallel=dp2_zero1", *common]), work / "clean-dp2_zero1"),
-              (compose([*bugs.CATALOG[ZERO1_BUG].trigger, f"bug={ZERO1_BUG}", "localize=false", *common]),
+    # megatron's DistributedOptimizer (ZeRO-1 over dp=2) with its param all-gather misplaced, its clean
+    # counterpart the bf16 check below (localize=false: the isolation pass on megatron's modules is the
+    # bug above's to show). And its interleaved pipeline (pp=2 x vpp=2), clean and with its chunks' layer
+    # numbers wrong.
+    items += [(compose([*bugs.CATALOG[ZERO1_BUG].trigger, f"bug={ZERO1_BUG}", "localize=false", *common]),
                work / ZERO1_BUG),
               (compose(["parallel=pp2_vpp2", *common]), work / "clean-pp2_vpp2"),
               (compose([*bugs.CATALOG[VPP_BUG].trigger, f"bug={VPP_BUG}", "localize=false", *common]),
@@ -193,8 +193,8 @@ def results(ray_cluster, tmp_path_factory):
     # judged on the 3 perturbed runs bf16's tolerance is calibrated on.
     items += [(compose([*BF16, *common, "tolerance.perturbations=3"]), work / "clean-bf16")]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip(["clean-tp2_sp", *BUGGY, "clean-dp2_zero1", ZERO1_BUG, "clean-pp2_vpp2", VPP_BUG,
-                     "clean-bf16"], out, strict=True))
+    return dict(zip(["clean-tp2_sp", *BUGGY, ZERO1_BUG, "clean-pp2_vpp2", VPP_BUG, "clean-bf16"], out,
+                    strict=True))
 
 
 def test_clean_megatron_tp2_sp_passes(results):
@@ -221,10 +221,11 @@ def test_megatron_bug_is_localized(results, bug):
 
 def test_megatron_distributed_optimizer_clean_passes_and_its_misplaced_gather_is_named(results):
     """Under zero1 each rank records only the grad ranges megatron's DistributedOptimizer owns (zeros
-    elsewhere, a partial sum over dp): the clean check passes only if those ranges add up to the reduced
-    grad, and the bug (which patches the distributed optimizer's own all-gather, so it acts only if that
-    optimizer runs) fails at the first parameter after the first update, its grads all within tolerance."""
-    clean, buggy = results["clean-dp2_zero1"], results[ZERO1_BUG]
+    elsewhere, a partial sum over dp): the clean check (the bf16 one, tp2_dp2) passes only if those ranges
+    add up to the reduced grad, and the bug (fp32 dp2: it patches the distributed optimizer's own
+    all-gather, so it acts only if that optimizer runs) fails at the first parameter after the first
+    update, its grads all within tolerance: there too the ranges add up."""
+    clean, buggy = results["clean-bf16"], results[ZERO1_BUG]
     assert clean.verdict == "pass" and clean.exit_code == 0, (clean.report.get("first_divergence")
                                                               or clean.message)
     grads = [t for t in clean.report["tensors"] if t["kind"] == "param_grad"]

@@ -108,6 +108,7 @@ BUGGY = {"tn_gqa_kv_gathered_output": (["parallel=tp2", "precision=bf16"], "laye
          "tn_pp_grad_norm_stage_local": (["parallel=pp2", UNTIED], "*", "param"),
          "tn_pp_zero_bubble_fsdp2_grads": ([*ZB_DP2, "parallel.pp_schedule=InterleavedZeroBubble"],
                                            "layers.1.*", "param_grad")}
+UNLOCALIZED = ("tn_pp_zero_bubble_fsdp2_grads",)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +120,10 @@ def results(ray_cluster, tmp_path_factory):
     common = ["job=torch_native", "tracking.enabled=false", "tolerance.perturbations=2",
               f"cluster.address={ray_cluster}"]
     items = [(compose([*common, *over]), work / f"clean-{p}") for p, over in CLEAN.items()]
-    # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced.
-    items += [(compose([*common, *over, f"bug={b}"]), work / b) for b, (over, _, _) in BUGGY.items()]
+    # The bugs run the isolation pass (localize=true, the default): the job is DTensor-traced. Not torch's
+    # zero-bubble one (4 ranks more): its culprit is its first divergence's module, pinned all the same.
+    items += [(compose([*common, *over, f"bug={b}", *(["localize=false"] if b in UNLOCALIZED else [])]),
+               work / b) for b, (over, _, _) in BUGGY.items()]
     out = run_checks(items, base_dir=str(work))
     return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY), out, strict=True))
 
@@ -178,12 +181,13 @@ def test_torch_native_bugs_are_named(results, bug):
 
     res = results[bug]
     assert res.verdict == "fail" and res.exit_code == 1, res.message
-    fd, culprit = res.report["first_divergence"], res.report["culprit"]
+    fd, culprit = res.report["first_divergence"], res.report.get("culprit")
     _, module, kind = BUGGY[bug]
     assert fnmatch.fnmatch(fd["module"], module) and fd["kind"] == kind, fd
     # The isolation pass on a DTensor job: the culprit is the module itself, alone in its window.
-    assert culprit["resolved"] and fnmatch.fnmatch(culprit["module"], module), culprit
-    assert culprit["kind"] == kind and res.report["blame_window"]["size"] == 1, res.report["blame_window"]
+    if bug not in UNLOCALIZED:
+        assert culprit["resolved"] and fnmatch.fnmatch(culprit["module"], module), culprit
+        assert culprit["kind"] == kind and res.report["blame_window"]["size"] == 1, res.report["blame_window"]
     if bug == "tn_pp_zero_bubble_fsdp2_grads":
         # The last stage's parameters were never trained: each param grad a FAIL of its own (step 0 and
         # 1: layers.3's 9 parameters), named as such, where the check once stopped with an error.
