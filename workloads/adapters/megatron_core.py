@@ -345,7 +345,7 @@ def _train(job: harness.RankJob) -> list[float]:
             if zero1:
                 grads = _owned_grads(optimizer, model, owned)
                 tracer.record_param_grad_shards(grads)
-                _owned_grads_back(optimizer, model, grads)   # as grad-sign replay left them
+                _owned_grads_back(model, grads)   # as grad-sign replay left them
             else:
                 tracer.record_param_grads(model)
             scheduler.set(optimizer)
@@ -435,16 +435,14 @@ def _owned_grads(optimizer: Any, model: nn.Module,
     return out
 
 
-def _owned_grads_back(optimizer: Any, model: nn.Module, grads: dict[str, tuple[torch.Tensor, ...]]) -> None:
-    """The owned ranges of `grads` (`_owned_grads`' copies, recorded) written back into the grad buffer
+def _owned_grads_back(model: nn.Module, grads: dict[str, tuple[torch.Tensor, Layout, torch.Tensor]]) -> None:
+    """The owned elements of `grads` (`_owned_grads`' copies, recorded) written back into the grad buffer
     the distributed optimizer reads: grad-sign replay (tracer/grad_signs.py) edits the recorded tensors.
     Without it, a zero1 candidate stepped its own signs (a clean megatron-core bf16 tp2_dp2 zero1 check
     failed at 22 of the word embedding's 868 near-zero-grad elements, which no perturbed run moved)."""
-    (inner,) = optimizer.chained_optimizers
-    for name, q in model.named_parameters():
-        r = _owned_range(inner, q) if name in grads else None
-        if r is not None:
-            q.main_grad.view(-1)[r.start:r.end] = grads[name][0].view(-1)[r.start:r.end]
+    params = dict(model.named_parameters())
+    for name, (grad, _, owned) in grads.items():
+        params[name].main_grad[owned] = grad[owned]
 
 
 def tensor_parallel_attrs(model: nn.Module, plan: dict[str, Any]) -> None:
