@@ -98,7 +98,7 @@ class ModuleCalls:
                 again = self._again.get(path)
                 call = self._pass[path] = (Call(again.popleft(), again.popleft(), again.popleft()) if again
                                            else self._first_recomputation(path, step, shape))
-            return call
+            return self._same_shape(call, path, step, shape)
         call = self._first_recomputation(path, step, shape)
         self._again.setdefault(path, deque()).extend(call)   # a weight pass may recompute it again
         return call
@@ -112,10 +112,16 @@ class ModuleCalls:
                              "their forwards' order, or turn recomputation off for the check")
         call = Call(calls.popleft(), calls.popleft(), calls.popleft())
         self.recomputed_forwards += 1
+        return self._same_shape(call, path, step, shape)
+
+    def _same_shape(self, call: Call, path: str, step: int, shape: torch.Size) -> Call:
+        """`call`, which this recomputation was matched to, if its output has the same shape."""
         if call.shape != shape:
+            which = ("the forward its weight pass repeats" if self._pass is not None
+                     else "its oldest forward not yet recomputed")
             raise TraceError(f"traced module '{path}' was recomputed in step {step}'s backward with output "
-                             f"shape {tuple(shape)}, but its oldest forward not yet recomputed ('{call.at}', "
-                             f"microbatch {call.microbatch}) had {tuple(call.shape)}: the recomputations "
-                             "run in another order than the forwards. Run the microbatches' backwards in "
-                             "their forwards' order, or turn recomputation off for the check")
+                             f"shape {tuple(shape)}, but {which} ('{call.at}', microbatch {call.microbatch}) "
+                             f"had {tuple(call.shape)}: the recomputations run in another order than the "
+                             "forwards. Run the microbatches' backwards in their forwards' order, or turn "
+                             "recomputation off for the check")
         return call

@@ -154,6 +154,31 @@ def test_recomputations_in_another_order_than_their_forwards_are_an_error(tmp_pa
     assert "0/1/blk.a/grad_output" in plain.order
 
 
+def test_a_zero_bubble_weight_pass_recomputation_of_another_shape_is_an_error():
+    """A weight pass repeats the forward its input pass recomputed, every time it recomputes it: each
+    of those recomputations must have that forward's shape, as the first does."""
+    from tracer.module_calls import ModuleCalls
+
+    small, large = torch.Size([3, 4]), torch.Size([5, 4])
+
+    def two_forwards() -> ModuleCalls:
+        calls = ModuleCalls()
+        calls.ran("blk.a", 0, "blk.a", small)
+        calls.ran("blk.a", 1, "blk.a", large)
+        assert calls.recomputed("blk.a", 0, small).microbatch == 0   # microbatch 0's input pass
+        calls.repeating(True)                                          # its weight pass
+        return calls
+
+    calls = two_forwards()
+    assert calls.recomputed("blk.a", 0, small).microbatch == 0
+    assert calls.recomputed("blk.a", 0, small).microbatch == 0   # again, for another parameter group
+    with pytest.raises(TraceError, match=r"'blk.a' was recomputed .* shape \(5, 4\), but the forward its "
+                                         r"weight pass repeats \('blk.a', microbatch 0\) had \(3, 4\)"):
+        calls.recomputed("blk.a", 0, large)
+    with pytest.raises(TraceError, match=r"shape \(5, 4\), but the forward its weight pass repeats"):
+        two_forwards().recomputed("blk.a", 0, large)   # its first recomputation in the pass
+
+
 def test_two_records_of_one_name_leave_the_trace_incomplete_and_unreadable(tmp_path):
     tr = Tracer(str(tmp_path), "twice", 0, {}, {})
     with tr.step(0):
