@@ -96,9 +96,11 @@ class JobInputs:
         `params`: the tensors `optimizer` steps, one per parameter in `model.named_parameters()` order
         (FP32 master copies; default the parameters; None: this rank steps none of that parameter);
         `shard(t)` cuts a sliced state tensor further (ZeRO-1: this DP rank's chunk), one for all
-        parameters or one per parameter (None: not cut)."""
+        parameters or one per parameter (None: not cut). Master copies of lower-precision parameters
+        (`_master`) take the checkpoint's weights too, at the precision it holds them in: built from the
+        loaded BF16 parameters, they had lost what `save_checkpoint` kept."""
         ck = self.checkpoint
-        if ck is None or not ck.optimizer:
+        if ck is None:
             return False
         coords, sizes = mesh_axes_of(model, coords, sizes, plan, None, self.config.rank,
                                      self.config.world_size)
@@ -111,6 +113,12 @@ class JobInputs:
         if len(cuts) != len(owners):
             raise ConfigError(f"load_optimizer_state: {len(cuts)} shard cuts for {len(owners)} parameters; "
                               "pass one per parameter, in model.named_parameters() order")
+        for (gname, param, layout, _), owner, cut in zip(named.values(), owners, cuts, strict=True):
+            if owner is not None and _master(owner, param):
+                local = layout.local(ck.tensor(gname), coords, sizes)
+                owner.copy_(_like(cut(local) if cut is not None else local, owner, f"{gname} (its master)"))
+        if not ck.optimizer:
+            return False
         for (gname, _, layout, _), owner, cut in zip(named.values(), owners, cuts, strict=True):
             if owner is None:   # another rank steps this parameter (a distributed optimizer's range)
                 continue
@@ -127,7 +135,9 @@ class JobInputs:
                         params: Sequence[torch.Tensor] | None = None, rename: Rename | None = None) -> None:
         """`checkpoint.save=DIR`: the reference run writes its parameters and Adam state under their
         logical names (tracer.checkpoint) after its last step; a no-op in every other run. `params`
-        as for `load_optimizer_state`."""
+        as for `load_optimizer_state`: a master copy of a lower-precision parameter is written in its
+        place (`_master`), so that a run resumed from the checkpoint steps the weights the optimizer
+        stepped, not their BF16 rounding (Megatron-LM's checkpoints keep its FP32 main params too)."""
         directory = (self.config.spec.get("checkpoint") or {}).get("save")
         if not directory or self.config.role != "reference":
             return
@@ -138,7 +148,9 @@ class JobInputs:
         rename = logical_names(rename)
         named = list(model.named_parameters())
         owners = list(params) if params is not None else [p for _, p in named]
-        tensors = {rename(n): _full(p) for n, p in named}
+        whole_master = lambda o, p: o is not None and _master(o, p) and o.numel() == p.numel()
+        tensors = {rename(n): _full(o).reshape(p.shape) if whole_master(o, p) else _full(p)
+                   for (n, p), o in zip(named, owners, strict=True)}
         adam: dict[str, dict[str, torch.Tensor]] = {}
         steps = [int(s["step"]) for s in (optimizer.state.values() if optimizer is not None else ())
                  if "step" in s]
@@ -200,6 +212,14 @@ def _gather(expected: dict[str, tuple[int, ...]], buffers: set[str],
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, (expected, sorted(buffers)))
     return ({n: s for e, _ in out for n, s in e.items()}, {b for _, bs in out for b in bs})
+
+
+def _master(owner: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether the optimizer steps `owner` as a master copy of `param` (or of its range) at a higher
+    precision (BF16 parameters' FP32 masters). Masters of the parameter's own dtype hold its values
+    already (and a perturbed run's moved weights: never overwritten)."""
+    return (owner is not param and not _dtensor(owner) and owner.dtype.is_floating_point
+            and owner.dtype.itemsize > param.dtype.itemsize)
 
 
 def _like(local: torch.Tensor, owner: torch.Tensor, what: str) -> torch.Tensor:
