@@ -287,9 +287,9 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
     from orchestrator.compare_cli import main
 
     store = tmp_path / "store"
-    plain = _losses(_torchrun(user_repo, 2, {}))
-    assert plain.count("step ") == 2 and not store.exists()
-    # The five traced launches are independent (each its own run in the store): started together.
+    # The plain launch and the five traced ones are independent (each traced one its own run in the
+    # store): started together.
+    plain_launch = _torchrun(user_repo, 2, {})
     t = {"TTRACE_STORE": str(store)}
     launches = [_torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "reference"}),
                 *(_torchrun(user_repo, 1, {**t, "TTRACE_ROLE": "perturbed", "TTRACE_PERTURB": str(r)})
@@ -303,8 +303,12 @@ def test_runs_made_by_plain_torchrun_are_judged_by_ttrace_compare(user_repo, tmp
            "TTRACE_REFERENCE": f"{store}/reference"}
     isolated = _torchrun(user_repo, 2, iso, "--bug", "skip_1d_allreduce")
     losses += [_losses(p) for p in launches[1:]]
-    assert losses[-1] == plain
+    plain = _losses(plain_launch)
+    assert plain.count("step ") == 2 and losses[-1] == plain
     _losses(isolated)
+    # The plain launch wrote nothing: the store holds the traced launches' runs alone.
+    assert sorted(p.name for p in store.iterdir()) == ["candidate", "candidate-bug", "isolated-bug",
+                                                       "perturbed-1", "perturbed-2", "reference"]
 
     # `ttrace compare` as a user types it, logging to MLflow; while it runs, three more judgements of
     # the same store by the same function in this process (a process of its own each cost ~5 s of CPU).
