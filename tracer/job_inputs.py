@@ -100,7 +100,7 @@ class JobInputs:
         (`_master`) take the checkpoint's weights too, at the precision it holds them in: built from the
         loaded BF16 parameters, they had lost what `save_checkpoint` kept."""
         ck = self.checkpoint
-        if ck is None:
+        if ck is None or (not ck.optimizer and params is None):   # nothing to load: no state, no masters
             return False
         coords, sizes = mesh_axes_of(model, coords, sizes, plan, None, self.config.rank,
                                      self.config.world_size)
