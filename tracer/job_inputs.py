@@ -43,6 +43,7 @@ class JobInputs:
     _weights_set = False
     _batches_read = False
     _saved = False
+    layouts_from_dtensors = False   # attached without a plan (tracer.job.Session.attach)
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -141,12 +142,23 @@ class JobInputs:
         directory = (self.config.spec.get("checkpoint") or {}).get("save")
         if not directory or self.config.role != "reference":
             return
-        if self.config.world_size != 1:
-            raise ConfigError(f"checkpoint.save={directory}: the reference runs on {self.config.world_size} "
-                              "ranks (reference.parallel); writing a checkpoint gathers nothing yet, so "
-                              "save it from a single-device reference (reference.parallel=single)")
         rename = logical_names(rename)
         named = list(model.named_parameters())
+        if self.config.world_size != 1:
+            # Several ranks: a model attached without a plan (layouts from DTensor placements, plain
+            # parameters replicas, as the check judges them: held to it here) has its DTensor
+            # parameters and Adam state gathered whole by every rank (full_tensor, in the same order
+            # everywhere), written by rank 0. A plan's plain tensors may be shards, and a pipeline's
+            # stages hold different parameters: neither is gathered.
+            pp = int(((self.config.spec.get("parallel") or {}).get("pp")) or 1)
+            apart = _plain_not_replicated(named) if self.layouts_from_dtensors and pp == 1 else []
+            if not self.layouts_from_dtensors or pp > 1 or apart:
+                why = (f"runs {pp} pipeline stages" if pp > 1 else
+                       f"its plain parameters {apart[:3]} differ between ranks (shards, not replicas)"
+                       if apart else "the model was attached with a plan (its plain tensors may be shards)")
+                raise ConfigError(f"checkpoint.save={directory}: the reference runs on "
+                                  f"{self.config.world_size} ranks (reference.parallel) and {why}; save "
+                                  "from a single-device reference (reference.parallel=single)")
         owners = list(params) if params is not None else [p for _, p in named]
         whole_master = lambda o, p: o is not None and _master(o, p) and o.numel() == p.numel()
         tensors = {rename(n): _full(o).reshape(p.shape) if whole_master(o, p) else _full(p)
@@ -160,6 +172,9 @@ class JobInputs:
                 # A parameter that never had a grad has no Adam state: its moments are zero.
                 adam[rename(n)] = {k: _full(st[k]) if k in st else torch.zeros(p.shape, dtype=torch.float32)
                                    for k in ADAM_STATE}
+        self._saved = True
+        if self.config.rank != 0:   # rank 0 writes what every rank gathered
+            return
         spec = self.config.spec
         save_checkpoint(str(directory), tensors, adam, {
             "step": max(steps) if steps else self.start_step + int(self.config.steps or 0),
@@ -167,7 +182,6 @@ class JobInputs:
             "model": spec.get("model"), "precision": (spec.get("precision") or {}).get("name"),
             "job": (spec.get("job") or {}).get("label"),
             "started_from": self.checkpoint.path if self.checkpoint is not None else None})
-        self._saved = True
 
     def token_batch(self, step: int, global_batch: int, seq_len: int, vocab: int) -> torch.Tensor:
         """Token ids [global_batch, seq_len + 1] of the job's step `step` (data step start_step + step):
@@ -212,6 +226,27 @@ def _gather(expected: dict[str, tuple[int, ...]], buffers: set[str],
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, (expected, sorted(buffers)))
     return ({n: s for e, _ in out for n, s in e.items()}, {b for _, bs in out for b in bs})
+
+
+def _plain_not_replicated(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The plain (non-DTensor) parameters whose shape or values differ between the ranks: every rank
+    calls it (collectives: shapes gathered, then each parameter's elementwise max and min)."""
+    import torch.distributed as dist
+
+    plain = [(n, p.detach()) for n, p in named if not _dtensor(p)]
+    shapes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, [(n, tuple(p.shape)) for n, p in plain])
+    if any(s != shapes[0] for s in shapes):
+        every = set.intersection(*(set(s) for s in shapes))
+        return sorted({n for s in shapes for n, shape in s if (n, shape) not in every})
+    apart = []
+    for n, p in plain:
+        hi, lo = p.clone(), p.clone()
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        if not torch.equal(hi, lo):
+            apart.append(n)
+    return apart
 
 
 def _master(owner: torch.Tensor, param: torch.Tensor) -> bool:

@@ -63,7 +63,6 @@ def test_unusable_checkpoint_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="would overwrite the checkpoint"):
         recipe.validate(recipe.compose([f"init.checkpoint={tmp_path}", f"checkpoint.save={tmp_path}"]),
                         str(tmp_path))
-    from orchestrator import inputs
     from tracer.checkpoint import save_checkpoint
 
     save_checkpoint(str(tmp_path / "llama"), {}, {}, {"model": recipe.compose(["model=llama_tiny"])["model"]})
@@ -71,9 +70,17 @@ def test_unusable_checkpoint_settings_are_refused(tmp_path):
                                           "arch=llama \\(here gpt\\)"):
         recipe.validate(recipe.compose([f"init.checkpoint={tmp_path / 'llama'}"]), str(tmp_path))
 
-    with pytest.raises(ConfigError, match="save from a single-device reference"):
-        inputs.validate({"checkpoint": {"save": str(tmp_path / "out")},
-                         "reference": {"parallel": {"name": "tp2", "world_size": 2}}}, own_job=True)
+    # A reference on several ranks saves only where its parameters are gathered from DTensors: not the
+    # built-in trainer's or megatron-core's plain shards, nor pipeline stages.
+    save = f"checkpoint.save={tmp_path / 'out'}"
+    for job, ref in (("builtin", "tp2"), ("megatron_core", "tp2"), ("torch_native", "pp2")):
+        with pytest.raises(ConfigError, match="gathers only DTensor parameters without pipeline stages"):
+            recipe.validate(recipe.compose([f"job={job}", save, f"reference.parallel={ref}"]), str(tmp_path))
+    (tmp_path / "train.py").write_text("")
+    for job, candidate in (("job=torch_native", "tp2_sp"), ("job=hf", "dp2"),
+                           ("job.command=python train.py", "tp2_sp")):   # a user's job says at save
+        recipe.validate(recipe.compose([job, f"parallel={candidate}", save, "reference.parallel=tp2"]),
+                        str(tmp_path))
     with pytest.raises(ConfigError, match="not a URL"):
         recipe.validate(recipe.compose(["data.path=s3://bucket/t.bin"]), str(tmp_path))
 

@@ -3,7 +3,8 @@ pipelining, traced with layouts read from DTensor placements (tracer/integration
 plan). Unit tests of the placement -> Layout mapping (no Ray), then real Ray checks: clean tp2_sp
 (fp32, recomputed), tp2_dp2 (bf16, FSDP2's mixed precision), pp2 (1F1B) and pp2_vpp2 at dp2 (zero-bubble
 V, recomputed) pass; the injected wrong placement plan exits 1 at the K/V projection it breaks (bf16), the
-pipeline's stage-local grad clipping at a param of step 0 (fp32)."""
+pipeline's stage-local grad clipping at a param of step 0 (fp32). A reference on two TP ranks saves its
+final state whole (checkpoint.save)."""
 
 import pytest
 import torch
@@ -124,8 +125,11 @@ def results(ray_cluster, tmp_path_factory):
     # zero-bubble one (4 ranks more): its culprit is its first divergence's module, pinned all the same.
     items += [(compose([*common, *over, f"bug={b}", *(["localize=false"] if b in UNLOCALIZED else [])]),
                work / b) for b, (over, _, _) in BUGGY.items()]
+    # A reference on two TP ranks that saves its final state (checkpoint.save): gathered from DTensors.
+    items += [(compose([*common, "parallel=tp2_sp", "reference.parallel=tp2",
+                        f"checkpoint.save={work / 'ckpt-tp2'}"]), work / "save-tp2")]
     out = run_checks(items, base_dir=str(work))
-    return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY), out, strict=True))
+    return dict(zip([f"clean-{p}" for p in CLEAN] + list(BUGGY) + ["save-tp2"], out, strict=True))
 
 
 @pytest.mark.parametrize("parallel", CLEAN)
@@ -194,3 +198,27 @@ def test_torch_native_bugs_are_named(results, bug):
         untrained = [t["name"] for t in res.report["tensors"] if t["reason"].startswith("no gradient")]
         assert len(untrained) == 18, untrained
         assert all(n.split("/")[2].startswith("layers.3.") for n in untrained), untrained
+
+
+def test_a_reference_on_two_tp_ranks_saves_the_whole_tensors_it_trained(results):
+    """checkpoint.save from reference.parallel=tp2: every rank gathers the DTensor parameters and Adam
+    state (full_tensor), rank 0 writes them. The checkpoint holds, bit for bit, the parameters the
+    reference traced at its last step, reassembled from its two ranks."""
+    from pathlib import Path
+
+    from tracer.checkpoint import open_checkpoint
+    from tracer.logical import load_logical
+
+    res = results["save-tp2"]
+    assert res.verdict == "pass" and res.exit_code == 0, res.report.get("first_divergence") or res.message
+    ckpt = open_checkpoint(str(Path(res.report["recipe"]["checkpoint"]["save"])))
+    ref = load_logical(res.report["reference"]["url"], "reference", 2)
+    last = max(int(n.split("/")[0]) for n in ref.order)
+    names = [n.split("/")[2] for n in ref.order if n.startswith(f"{last}/") and n.endswith("/param")]
+    assert sorted(ckpt.index["tensors"]) == sorted(names) and len(names) > 30
+    for name in names:
+        assert torch.equal(ckpt.tensor(name), ref.tensors[f"{last}/-/{name}/param"].tensor), name
+    wq = "layers.0.attention.wq.weight"   # sharded over tp in the run: whole in the checkpoint
+    assert list(ckpt.tensor(wq).shape) == list(ref.tensors[f"{last}/-/{wq}/param"].tensor.shape)
+    assert ckpt.step == last + 1 and ckpt.optimizer
+    assert ckpt.adam_state(wq)["exp_avg"].shape == ckpt.tensor(wq).shape
