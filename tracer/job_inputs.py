@@ -151,11 +151,15 @@ class JobInputs:
             # everywhere), written by rank 0. A plan's plain tensors may be shards, and a pipeline's
             # stages hold different parameters: neither is gathered.
             pp = int(((self.config.spec.get("parallel") or {}).get("pp")) or 1)
-            apart = _plain_not_replicated(named) if self.layouts_from_dtensors and pp == 1 else []
-            if not self.layouts_from_dtensors or pp > 1 or apart:
-                why = (f"runs {pp} pipeline stages" if pp > 1 else
-                       f"its plain parameters {apart[:3]} differ between ranks (shards, not replicas)"
-                       if apart else "the model was attached with a plan (its plain tensors may be shards)")
+            if pp > 1:
+                why = f"runs {pp} pipeline stages"
+            elif not self.layouts_from_dtensors:
+                why = "the model was attached with a plan (its plain tensors may be shards)"
+            elif apart := _plain_not_replicated(named):
+                why = f"its plain parameters {apart[:3]} differ between ranks (shards, not replicas)"
+            else:
+                why = None
+            if why is not None:
                 raise ConfigError(f"checkpoint.save={directory}: the reference runs on "
                                   f"{self.config.world_size} ranks (reference.parallel) and {why}; save "
                                   "from a single-device reference (reference.parallel=single)")
