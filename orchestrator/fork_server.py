@@ -49,6 +49,8 @@ _MAIN = ("import sys; del sys.path[0]; from orchestrator.fork_server import serv
 OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
 BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
 HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one pool per preload set
+# What a traced rank imports as it attaches (lazily in tracer/job.py: a user's `import tracer` stays light)
+TRACER_IMPORTS = ("tracer.collector", "tracer.integrations.dtensor")
 
 
 def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
@@ -70,6 +72,17 @@ def host_key(spec: dict[str, Any]) -> str:
     return preloads(spec)[-1]
 
 
+def rank_imports(preload: Sequence[str]) -> None:
+    """What every rank of the pool imports beyond `preload`, once, before any fork: the tracer's
+    recording modules (numba: 0.25 s of CPU a rank) and what ttrace's adapter names in `rank_imports()`
+    (its framework, kept out of its module, which the driver imports to validate a recipe:
+    transformers' Llama model or megatron-core, 2-3 s of CPU a rank where each rank imported it)."""
+    for module in TRACER_IMPORTS:
+        importlib.import_module(module)
+    adapter = sys.modules.get(preload[-1]) if preload and preload[-1].startswith(OWN_ADAPTERS) else None
+    getattr(adapter, "rank_imports", lambda: None)()
+
+
 def serve(path: str, host: int, preload: Sequence[str]) -> None:
     """Listen at `path` (`address`) for ranks to fork, with `preload` imported, until process `host`
     ends."""
@@ -78,7 +91,8 @@ def serve(path: str, host: int, preload: Sequence[str]) -> None:
     listener.listen(128)   # hosts connect while the imports below run; their requests wait
     for module in preload:
         importlib.import_module(module)
-    from orchestrator.forked_rank import pid_alive, retitle  # tracer, numba: after listening too
+    rank_imports(preload)
+    from orchestrator.forked_rank import pid_alive, retitle
 
     retitle(f"ttrace fork server: {preload[-1] if preload else 'python'}")
     woken_r, woken_w = os.pipe()

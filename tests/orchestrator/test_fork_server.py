@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from orchestrator.fork_server import ForkServer
+from orchestrator.fork_server import TRACER_IMPORTS, ForkServer, pool_preloads
 from orchestrator.rank_tasks import worker_env
 from tracer.errors import JobError, TraceError
 
@@ -23,6 +23,12 @@ from pathlib import Path
 def frozen():
     return {"frozen": gc.get_freeze_count(), "threads": threading.active_count(), "pid": os.getpid(),
             "torch": "torch" in sys.modules, "ray": "ray" in sys.modules}
+
+def imported():
+    shims = sys.modules.get("workloads.adapters.megatron_shims")
+    names = ("transformers", "megatron", "numba", "tracer")
+    return {"modules": sorted(m for m in sys.modules if m.startswith(names)),
+            "shims": getattr(shims, "_installed", False)}
 
 def up(text):
     # Written whole, then renamed: a test that acts on the file's existence never reads it half-written.
@@ -105,6 +111,23 @@ def test_ranks_fork_from_a_server_without_threads_with_its_heap_frozen_and_run_s
     for t in both:
         t.join()
     assert [r["met"] for r in results] == [True, True], results   # side by side, not one after the other
+
+
+@pytest.mark.parametrize("adapter, framework", [("hf", "transformers.models.llama.modeling_llama"),
+                                                ("megatron_core", "megatron.core.models.gpt")])
+def test_a_pools_ranks_start_with_their_framework_and_the_tracer_imported(tmp_path, adapter, framework):
+    """The server of an adapter's pool imports what every rank of it imports (its `rank_imports()`:
+    2-3 s of CPU a rank where each imported it) and the tracer's recording modules (numba), and still
+    forks from its only thread."""
+    (tmp_path / "probes.py").write_text(PROBES)
+    fs = ForkServer(pool_preloads(f"workloads.adapters.{adapter}"), env=worker_env())
+    try:
+        out = rank((fs, tmp_path), "imported")
+        assert len(os.listdir(f"/proc/{fs.proc.pid}/task")) == 1
+    finally:
+        fs.close()
+    assert {framework, "numba", *TRACER_IMPORTS} <= set(out["modules"]), out["modules"]
+    assert out["shims"] == (adapter == "megatron_core")   # megatron-core's CPU shims, as its main does
 
 
 def test_a_server_started_beside_a_package_named_like_ours_still_runs_ours(tmp_path, monkeypatch):
@@ -223,7 +246,7 @@ def test_the_server_and_its_ranks_end_with_their_host(tmp_path):
     ready = tmp_path / "ready"
     host = textwrap.dedent(f"""
         import sys
-        from orchestrator.fork_server import ForkServer
+        from orchestrator.fork_server import TRACER_IMPORTS, ForkServer, pool_preloads
         fs = ForkServer(("torch",))
         print(fs.proc.pid, fs.path, flush=True)
         spec = {{"job": {{"entrypoint": "probes:sleeps", "workdir": {str(tmp_path)!r}}},

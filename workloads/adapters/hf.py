@@ -48,6 +48,16 @@ PRECISIONS = ("fp32", "bf16")
 AUTOCAST = {"bf16": torch.bfloat16}   # the forward's torch.autocast dtype (fp32: none)
 
 
+def rank_imports() -> None:
+    """What every rank imports, for the fork server to import once before forking them
+    (orchestrator/fork_server.py rank_imports): transformers' Llama model and its loading, 2-3 s of CPU.
+    Not at this module's import, which the driver's recipe validation pays."""
+    import transformers.distributed  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    import tracer.integrations.hf  # noqa: F401
+
+
 def llama_config(cfg: Config) -> Any:
     from transformers import LlamaConfig
 

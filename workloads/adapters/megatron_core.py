@@ -56,6 +56,19 @@ def _bugs() -> list[str]:
     return sorted(n for n, b in bugs.CATALOG.items() if b.job == NAME)
 
 
+def rank_imports() -> None:
+    """What every rank imports, for the fork server to import once before forking them
+    (orchestrator/fork_server.py rank_imports): megatron-core with its CPU shims, as `main` installs
+    them (2-3 s of CPU: its fused ops' torch.compile decorators import torch._inductor). Not at this
+    module's import, which the driver's recipe validation pays."""
+    megatron_shims.install()
+    for module in ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+                   "megatron.core.distributed", "megatron.core.distributed.finalize_model_grads",
+                   "megatron.core.pipeline_parallel", "megatron.core.optimizer",
+                   "megatron.core.transformer.module", "tracer.integrations.megatron_core"):
+        importlib.import_module(module)
+
+
 # -- validation ----------------------------------------------------------------------------------
 def validate(spec: Mapping[str, Any]) -> None:
     m, p = spec["model"], spec["parallel"]
