@@ -49,8 +49,9 @@ _MAIN = ("import sys; del sys.path[0]; from orchestrator.fork_server import serv
 OWN_ADAPTERS = "workloads."           # entrypoints ttrace ships; only these are imported before the fork
 BASE_PRELOADS = ("torch", "torch.distributed", "torch._dynamo")
 HOST_ENV = "TTRACE_RANK_HOST"         # the rank hosts' runtime_env marker: one pool per preload set
-# What a traced rank imports as it attaches (lazily in tracer/job.py: a user's `import tracer` stays light)
-TRACER_IMPORTS = ("tracer.collector", "tracer.integrations.dtensor")
+# What a traced rank imports as it attaches (lazily in tracer/job.py: a user's `import tracer` stays
+# light); a model attached without a plan (most users' jobs) the DTensor integration too (numba)
+TRACER_IMPORTS, WITHOUT_PLAN = ("tracer.collector",), ("tracer.integrations.dtensor",)
 
 
 def preloads(spec: dict[str, Any]) -> tuple[str, ...]:
@@ -74,12 +75,12 @@ def host_key(spec: dict[str, Any]) -> str:
 
 def rank_imports(preload: Sequence[str]) -> None:
     """What every rank of the pool imports beyond `preload`, once, before any fork: the tracer's
-    recording modules (numba: 0.25 s of CPU a rank) and what ttrace's adapter names in `rank_imports()`
-    (its framework, kept out of its module, which the driver imports to validate a recipe:
-    transformers' Llama model or megatron-core, 2-3 s of CPU a rank where each rank imported it)."""
-    for module in TRACER_IMPORTS:
-        importlib.import_module(module)
+    recording modules, and what ttrace's adapter names in `rank_imports()` (its framework, kept out of
+    its module, which the driver imports to validate a recipe: transformers' Llama model or
+    megatron-core, 2-3 s of CPU a rank where each rank imported it), else WITHOUT_PLAN (0.25 s a rank)."""
     adapter = sys.modules.get(preload[-1]) if preload and preload[-1].startswith(OWN_ADAPTERS) else None
+    for module in TRACER_IMPORTS + (() if adapter else WITHOUT_PLAN):
+        importlib.import_module(module)
     getattr(adapter, "rank_imports", lambda: None)()
 
 

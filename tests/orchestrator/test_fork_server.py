@@ -114,19 +114,24 @@ def test_ranks_fork_from_a_server_without_threads_with_its_heap_frozen_and_run_s
 
 
 @pytest.mark.parametrize("adapter, framework", [("hf", "transformers.models.llama.modeling_llama"),
-                                                ("megatron_core", "megatron.core.models.gpt")])
+                                                ("megatron_core", "megatron.core.models.gpt"),
+                                                ("torch_native", "tracer.integrations.dtensor"),
+                                                ("train", "tracer.collector"),
+                                                (None, "tracer.integrations.dtensor")])
 def test_a_pools_ranks_start_with_their_framework_and_the_tracer_imported(tmp_path, adapter, framework):
     """The server of an adapter's pool imports what every rank of it imports (its `rank_imports()`:
-    2-3 s of CPU a rank where each imported it) and the tracer's recording modules (numba), and still
-    forks from its only thread."""
+    2-3 s of CPU a rank where each imported it) and the tracer's recording modules; a user's job's
+    pool (None) the DTensor integration (with numba, 0.25 s a rank); and it still forks from its only
+    thread."""
     (tmp_path / "probes.py").write_text(PROBES)
-    fs = ForkServer(pool_preloads(f"workloads.adapters.{adapter}"), env=worker_env())
+    pool = {None: "mypkg.train", "train": "workloads.train"}.get(adapter, f"workloads.adapters.{adapter}")
+    fs = ForkServer(pool_preloads(pool), env=worker_env())
     try:
         out = rank((fs, tmp_path), "imported")
         assert len(os.listdir(f"/proc/{fs.proc.pid}/task")) == 1
     finally:
         fs.close()
-    assert {framework, "numba", *TRACER_IMPORTS} <= set(out["modules"]), out["modules"]
+    assert {framework, *TRACER_IMPORTS} <= set(out["modules"]), out["modules"]
     assert out["shims"] == (adapter == "megatron_core")   # megatron-core's CPU shims, as its main does
 
 

@@ -55,6 +55,7 @@ def rank_imports() -> None:
     import transformers.distributed  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401
 
+    import tracer.integrations.dtensor  # noqa: F401
     import tracer.integrations.hf  # noqa: F401
 
 

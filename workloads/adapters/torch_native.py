@@ -349,6 +349,12 @@ def train(model: nn.Module, job: harness.RankJob, dp_rank: int, dp_size: int, dp
 
 
 # -- adapter contract ------------------------------------------------------------------------------
+def rank_imports() -> None:
+    """What every rank imports, for the fork server to import once before forking them
+    (orchestrator/fork_server.py rank_imports): the tracer's DTensor integration (numba with it)."""
+    import tracer.integrations.dtensor  # noqa: F401
+
+
 def validate(spec: dict) -> None:
     cfg = parse(spec)
     m, p = cfg.model, cfg.parallel
