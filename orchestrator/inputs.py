@@ -87,17 +87,16 @@ def validate(recipe: dict[str, Any], own_job: bool) -> None:
         raise ConfigError(f"checkpoint.save={save} is init.checkpoint: the reference would overwrite the "
                           "checkpoint every run starts from; save to another directory")
     ref = layouts.reference_layout(recipe) if save else None   # reference.parallel (issue 17, part 1)
-    job = recipe.get("job") or {}
-    plain_shards = not job.get("command") and job.get("entrypoint") in (
-        None, "workloads.train:main", "workloads.adapters.megatron_core:main")   # built-in, megatron
-    if ref is not None and int(ref["world_size"]) > 1 and (plain_shards or int(ref.get("pp") or 1) > 1):
-        # A DTensor job's reference gathers its parameters (tracer.job_inputs: full_tensor); plain-tensor
-        # shards and pipeline stages are not gathered.
+    staged = int((ref or {}).get("pp") or 1) > 1
+    unsaved = "pipeline stages" if staged else "a distributed optimizer (zero1)"
+    if ref is not None and int(ref["world_size"]) > 1 and (staged or ref.get("zero1")):
+        # The reference's ranks gather its parameters and Adam state to rank 0 (tracer/checkpoint_gather.py):
+        # pipeline stages hold other parameters, a distributed optimizer's state is not parameter-shaped.
         raise ConfigError(f"checkpoint.save={save}: the reference runs on several ranks (reference.parallel="
-                          f"{ref['name']}) and writing a checkpoint gathers only DTensor parameters without "
-                          "pipeline stages (job=torch_native, job=hf, a DTensor job of yours); save from "
-                          "a single-device reference (reference.parallel=single), then start any layout "
-                          "from it")
+                          f"{ref['name']}) with {unsaved}, "
+                          "whose parameters and Adam state are not gathered for a checkpoint; save from a "
+                          "reference without them (reference.parallel=single, tp2, dp2...), then start any "
+                          "layout from it")
     if save and os.path.exists(str(save)) and not os.path.isdir(str(save)):
         raise ConfigError(f"checkpoint.save={save} exists and is not a directory")
     if ckpt:

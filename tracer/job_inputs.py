@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tracer.checkpoint import ADAM_STATE, Checkpoint, check_names, open_checkpoint, refuse, save_checkpoint
+from tracer.checkpoint_gather import assembled_on_rank0, refusal
 from tracer.errors import ConfigError
 from tracer.generator import token_batch
 from tracer.parameters import init_parameters, logical_params, mesh_axes_of, param_layout_map
@@ -44,6 +45,7 @@ class JobInputs:
     _batches_read = False
     _saved = False
     layouts_from_dtensors = False   # attached without a plan (tracer.job.Session.attach)
+    plan: Plan | None = None        # the plan it was attached with
 
     @property
     def checkpoint(self) -> Checkpoint | None:
@@ -144,26 +146,16 @@ class JobInputs:
             return
         rename = logical_names(rename)
         named = list(model.named_parameters())
-        if self.config.world_size != 1:
-            # Several ranks: a model attached without a plan (layouts from DTensor placements, plain
-            # parameters replicas, as the check judges them: held to it here) has its DTensor
-            # parameters and Adam state gathered whole by every rank (full_tensor, in the same order
-            # everywhere), written by rank 0. A plan's plain tensors may be shards, and a pipeline's
-            # stages hold different parameters: neither is gathered.
+        owners = list(params) if params is not None else [p for _, p in named]
+        several = self.config.world_size != 1
+        plan_layouts = param_layout_map(model, self.plan) if several and self.plan is not None else None
+        if several:   # tracer/checkpoint_gather.py
             pp = int(((self.config.spec.get("parallel") or {}).get("pp")) or 1)
-            if pp > 1:
-                why = f"runs {pp} pipeline stages"
-            elif not self.layouts_from_dtensors:
-                why = "the model was attached with a plan (its plain tensors may be shards)"
-            elif apart := _plain_not_replicated(named):
-                why = f"its plain parameters {apart[:3]} differ between ranks (shards, not replicas)"
-            else:
-                why = None
+            why = refusal(named, owners, pp, plan_layouts)
             if why is not None:
                 raise ConfigError(f"checkpoint.save={directory}: the reference runs on "
                                   f"{self.config.world_size} ranks (reference.parallel) and {why}; save "
                                   "from a single-device reference (reference.parallel=single)")
-        owners = list(params) if params is not None else [p for _, p in named]
         whole_master = lambda o, p: o is not None and _master(o, p) and o.numel() == p.numel()
         tensors = {rename(n): _full(o).reshape(p.shape) if whole_master(o, p) else _full(p)
                    for (n, p), o in zip(named, owners, strict=True)}
@@ -176,6 +168,10 @@ class JobInputs:
                 # A parameter that never had a grad has no Adam state: its moments are zero.
                 adam[rename(n)] = {k: _full(st[k]) if k in st else torch.zeros(p.shape, dtype=torch.float32)
                                    for k in ADAM_STATE}
+        if plan_layouts is not None:   # several ranks' shards, as the plan lays them out
+            whole = assembled_on_rank0(tensors, adam, {rename(n): plan_layouts[n] for n, _ in named},
+                                       self.coords, self.sizes)
+            tensors, adam = whole if whole is not None else ({}, {})
         self._saved = True
         if self.config.rank != 0:   # rank 0 writes what every rank gathered
             return
@@ -230,27 +226,6 @@ def _gather(expected: dict[str, tuple[int, ...]], buffers: set[str],
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, (expected, sorted(buffers)))
     return ({n: s for e, _ in out for n, s in e.items()}, {b for _, bs in out for b in bs})
-
-
-def _plain_not_replicated(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
-    """The plain (non-DTensor) parameters whose shape or values differ between the ranks: every rank
-    calls it (collectives: shapes gathered, then each parameter's elementwise max and min)."""
-    import torch.distributed as dist
-
-    plain = [(n, p.detach()) for n, p in named if not _dtensor(p)]
-    shapes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(shapes, [(n, tuple(p.shape)) for n, p in plain])
-    if any(s != shapes[0] for s in shapes):
-        every = set.intersection(*(set(s) for s in shapes))
-        return sorted({n for s in shapes for n, shape in s if (n, shape) not in every})
-    apart = []
-    for n, p in plain:
-        hi, lo = p.clone(), p.clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-        if not torch.equal(hi, lo):
-            apart.append(n)
-    return apart
 
 
 def _master(owner: torch.Tensor, param: torch.Tensor) -> bool:

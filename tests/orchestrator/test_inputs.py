@@ -70,15 +70,16 @@ def test_unusable_checkpoint_settings_are_refused(tmp_path):
                                           "arch=llama \\(here gpt\\)"):
         recipe.validate(recipe.compose([f"init.checkpoint={tmp_path / 'llama'}"]), str(tmp_path))
 
-    # A reference on several ranks saves only where its parameters are gathered from DTensors: not the
-    # built-in trainer's or megatron-core's plain shards, nor pipeline stages.
+    # A reference on several ranks saves what its ranks gather: not pipeline stages, nor a distributed
+    # optimizer's ranges (the ranks refuse the rest, tracer/checkpoint_gather.py).
     save = f"checkpoint.save={tmp_path / 'out'}"
-    for job, ref in (("builtin", "tp2"), ("megatron_core", "tp2"), ("torch_native", "pp2")):
-        with pytest.raises(ConfigError, match="gathers only DTensor parameters without pipeline stages"):
+    for job, ref, why in (("builtin", "pp2", "pipeline stages"), ("torch_native", "pp2", "pipeline stages"),
+                          ("megatron_core", "dp2_zero1", "a distributed optimizer")):
+        with pytest.raises(ConfigError, match=f"reference.parallel={ref}\\) with {why}"):
             recipe.validate(recipe.compose([f"job={job}", save, f"reference.parallel={ref}"]), str(tmp_path))
     (tmp_path / "train.py").write_text("")
-    for job, candidate in (("job=torch_native", "tp2_sp"), ("job=hf", "dp2"),
-                           ("job.command=python train.py", "tp2_sp")):   # a user's job says at save
+    for job, candidate in (("job=torch_native", "tp2_sp"), ("job=hf", "dp2"), ("job=builtin", "tp2_sp"),
+                           ("job=megatron_core", "tp2_dp2"), ("job.command=python train.py", "tp2_sp")):
         recipe.validate(recipe.compose([job, f"parallel={candidate}", save, "reference.parallel=tp2"]),
                         str(tmp_path))
     with pytest.raises(ConfigError, match="not a URL"):

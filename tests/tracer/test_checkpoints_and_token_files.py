@@ -265,11 +265,35 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 def rank(r, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=r, world_size=2)
-    from tracer.job_inputs import _plain_not_replicated
+    from tracer.checkpoint_gather import plain_not_replicated
     same, apart = torch.ones(3), torch.ones(3)
     apart[1] += r * 1e-7    # one element one rounding apart on rank 1
-    got = [_plain_not_replicated([("same", same), ("apart", apart)]),
-           _plain_not_replicated([("same", same), ("split", torch.zeros(2 + r))])]   # shards of two sizes
+    got = [plain_not_replicated([("same", same), ("apart", apart)]),
+           plain_not_replicated([("same", same), ("split", torch.zeros(2 + r))])]   # shards of two sizes
+    # A plan's layouts: a column shard over tp and a replica, each rank's local tensors gathered to rank 0
+    from tracer.checkpoint_gather import assembled_on_rank0, refusal
+    from tracer.layouts import Layout, Shard
+    full = torch.arange(12.0).reshape(4, 3)
+    layouts = {"w": Shard(0), "b": Layout()}
+    local = {"w": full.chunk(2)[r].clone(), "b": torch.ones(3)}
+    adam = {n: {"exp_avg": t * 2} for n, t in local.items()}
+    whole = assembled_on_rank0(local, adam, layouts, {"tp": r}, {"tp": 2})
+    if r == 0:
+        assert torch.equal(whole[0]["w"], full) and torch.equal(whole[1]["w"]["exp_avg"], full * 2)
+        assert torch.equal(whole[0]["b"], torch.ones(3))
+    else:
+        assert whole is None
+    local["b"][0] += r   # replicas that differ: the reference's ranks do not hold one model
+    try:
+        assembled_on_rank0(local, {}, layouts, {"tp": r}, {"tp": 2})
+        got.append("no error")
+    except Exception as e:
+        got.append(str(e))
+    named = list(local.items())
+    got.append([refusal(named, [local["w"], local["b"]], 2, layouts),
+                refusal(named, [local["w"][:1], local["b"]], 1, layouts),   # a distributed optimizer's range
+                refusal(named, [local["w"], local["b"]], 1, {"w": Layout(partial=("tp",)), "b": Layout()}),
+                refusal(named, [local["w"], local["b"]], 1, layouts)])
     if r == 0:
         print(json.dumps(got))
     dist.destroy_process_group()
@@ -282,8 +306,11 @@ if __name__ == "__main__":
 
 
 def test_a_multi_rank_save_takes_plain_parameters_only_where_every_rank_holds_the_same():
-    """checkpoint.save from a reference on several ranks writes rank 0's plain parameters as the whole
-    tensors: only where they are replicas. A value or a shape that differs between ranks names them."""
+    """checkpoint.save from a reference on several ranks (tracer/checkpoint_gather.py). Attached
+    without a plan, it writes rank 0's plain parameters as the whole tensors: only where they are
+    replicas; a value or a shape that differs between ranks names them. With a plan, rank 0
+    reassembles every rank's shards and Adam state by their layouts, and replicas that differ are an
+    error naming them. Pipeline stages, an optimizer's ranges and partial-sum parameters are refused."""
     import os
     import subprocess
     import sys
@@ -293,4 +320,8 @@ def test_a_multi_rank_save_takes_plain_parameters_only_where_every_rank_holds_th
     out = subprocess.run([sys.executable, "-c", _PLAIN_ON_TWO_RANKS], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": root})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [["apart"], ["split"]]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got[:2] == [["apart"], ["split"]]
+    assert "b's replicas on ranks 0 and 1 differ in 1 elements" in got[2], got[2]
+    assert got[3][0] == "runs 2 pipeline stages" and "ranges of parameters ['w']" in got[3][1]
+    assert got[3][2] == "its plan lays parameters ['w'] out as partial sums" and got[3][3] is None
