@@ -10,10 +10,10 @@ Here a warm process imports those once and forks one child per rank: the fork se
 loaded and no job state, as a fresh process that had imported them would; the server never runs a
 job, so it stays clean for the next fork.
 
-What the server imports before forking is fixed (fork_server.preloads): torch and the tracer's
-recording modules for every job, and the entrypoint module itself, with what it names in its
-`rank_imports()` (its framework), only when it is ttrace's own adapter. A user's module is always imported in
-the child, so a long-lived server never runs a stale copy of code the user has edited since.
+What the server imports before forking is fixed (fork_server.preloads, rank_imports): torch and the
+tracer's recording modules for every job, and the entrypoint module itself, with what it names in its
+`rank_imports()` (its framework), only when it is ttrace's own adapter. A user's module is always
+imported in the child, so a long-lived server never runs a stale copy of code the user has edited since.
 
 The child dies with the server (PR_SET_PDEATHSIG) and with the rank task that asked for it
 (`requester`: a thread of the child waits on that process), so stopping a job by removing its
