@@ -152,7 +152,6 @@ class Session(JobInputs):
             if (self.spec.get("trace") or {}).get("perturbation_steps") == "every":
                 self._every_step = EveryStep(layouts, r, self.coords, self.sizes, rename)
         self._tracer = self._new_tracer(plan is None, meta)
-        self.layouts_from_dtensors = plan is None   # plain parameters: replicas (integrations/dtensor.py)
         self.plan = plan
         if plan is not None:
             self._tracer.attach(model, plan, rename=rename)

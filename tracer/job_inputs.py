@@ -44,7 +44,6 @@ class JobInputs:
     _weights_set = False
     _batches_read = False
     _saved = False
-    layouts_from_dtensors = False   # attached without a plan (tracer.job.Session.attach)
     plan: Plan | None = None        # the plan it was attached with
 
     @property
