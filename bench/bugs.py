@@ -353,6 +353,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "bugs.json"))
     ap.add_argument("overrides", nargs="*", help="recipe overrides applied to every check")
     args = ap.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # before the checks: a run lost its results
     # Default: the BUGS.md catalog in the built-in trainer (framework bugs have their own tests).
     builtin = [name for name, bug in CATALOG.items() if bug.job == "builtin"]
     if args.precision:
