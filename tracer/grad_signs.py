@@ -39,10 +39,9 @@ from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
 from tracer.layouts import Layout
 
-# 100 x Adam's default eps (1e-8, every built-in job's): above it two grads of one sign give first updates
-# within 1% of each other.
-EPS_BAND = 1e-6
-ADAM_EPS = 1e-8       # Adam's default eps, in the units of the grads as traced (before clipping)
+ADAM_EPS = 1e-8       # Adam's default eps (every built-in job's), in the units of the grads as traced
+# Above it two grads of one sign give first updates within 1% of each other.
+EPS_BAND = 100 * ADAM_EPS
 UPDATE_AGREE = 0.01   # a run's first update may differ from the reference's by this fraction of lr
 
 
