@@ -96,11 +96,16 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
 
 def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order. The row-column
-    metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape)."""
+    metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape). Step 0's
+    params are Adam's first update from a fresh state (TensorKey.first_update) where the trace starts
+    at step 0 and its run says it did not start from a checkpoint (tracer.job_config.JobConfig.meta; a
+    trace that does not say, written before the first-update rule of 2026-12-07, is not taken for one)."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     first = reference.first_step()
+    fresh = first == 0 and reference.meta.get("from_checkpoint") is False
     key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
-                                        rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first))
+                                        rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first),
+                                        fresh and e["kind"] == "param" and int(e["step"]) == 0)
     return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]
 
 

@@ -16,10 +16,10 @@ eps's reach (an Intel Xeon, clean hf bf16 tp2 checks: seed 1234 and 4 of seeds 2
 embedding element with grad -1.6e-8 against the reference's -4.5e-5 moved 0.59 lr against 1.0 lr, and
 the next step's embedding output, which copies its row, failed at 1.83x). Every run keeps its
 deviations under 1% of lr and gives up those above: the same cut for all, where "either grad below it"
-cut each run at a different deviation. An element every perturbed run gives up while the candidate,
-under 1% off, keeps its own still shows a deviation their envelope lacks: the open step-0 weight class
-of docs/tolerance.md, Known gaps. The traced grads are the run's own: a wrong grad is judged where it
-was made.
+cut each run at a different deviation. A deviation the candidate keeps (up to 1% of lr) may still
+exceed what the perturbed runs kept there (or they all gave theirs up): the comparison explains it by
+the candidate's own grad through the same formula (tracer/excusal.py, Adam's first update). The
+traced grads are the run's own: a wrong grad is judged where it was made.
 
 At attach (tracer/job.py) a replaying rank opens the reference run (`reference_grads`); the tracer
 (`Tracer.replay_grad_signs`) hands each param grad it records, with its layout, to `GradSigns.take`,
@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
+from tracer.adam import ADAM_EPS, first_update
 from tracer.collector import canonical_name
 from tracer.errors import TraceError
 from tracer.feed import ReferenceFeed, load_run
 from tracer.layouts import Layout
 
-ADAM_EPS = 1e-8       # Adam's default eps (every built-in job's), in the units of the grads as traced
-# Above it two grads of one sign give first updates within 1% of each other.
+# Above it two grads of one sign give first updates (tracer/adam.py) within 1% of each other.
 EPS_BAND = 100 * ADAM_EPS
 UPDATE_AGREE = 0.01   # a run's first update may differ from the reference's by this fraction of lr
 
@@ -53,9 +53,8 @@ def take_reference_signs(grad: torch.Tensor, reference: torch.Tensor, *, own: to
     `value`'s, the reference's piece of that sum); only where `where` holds, if given. Returns how many
     changed."""
     own = grad if own is None else own
-    update = lambda g: g / (g.abs() + ADAM_EPS)   # Adam's first update over lr (bias-corrected)
     take = (torch.sign(own) != torch.sign(reference)) | (reference.abs() < EPS_BAND)
-    take |= (update(own) - update(reference)).abs() > UPDATE_AGREE
+    take |= (first_update(own) - first_update(reference)).abs() > UPDATE_AGREE
     take &= own != reference
     if where is not None:
         take &= where

@@ -113,7 +113,10 @@ class JobConfig:
                 "parallel": self.parallel.name, "world_size": self.world_size,
                 "precision": (spec.get("precision") or {}).get("name"),
                 "model": (spec.get("model") or {}).get("name"), "bug": (spec.get("bug") or {}).get("name"),
-                "perturb": self.perturb, "fingerprint": self.fingerprint, **dict(extra or {})}
+                "perturb": self.perturb, "fingerprint": self.fingerprint,
+                # whether step 0 is Adam's first update from a fresh state (tracer/excusal.py): not so
+                # from a checkpoint, which may hold the optimizer's state
+                "from_checkpoint": bool((spec.get("init") or {}).get("checkpoint")), **dict(extra or {})}
 
     @property
     def traced(self) -> bool:

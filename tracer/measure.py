@@ -13,10 +13,8 @@ The formulas are the per-tensor definitions of `tracer.tolerance` (tests/test_me
 two equal). Elementwise work runs in the widest dtype of the chunk's inputs (float32 for float32,
 bf16 and fp8 traces: differences of nearby values are exact), sums of squares in float64.
 
-Adam excusal (see `tracer.compare.compare`): a post-step `param` element is not judged where this
-or an earlier step's gradient was within noise of zero, or where its error is explained by the
-candidate's accepted gradient deviation; a param with fewer than MIN_JUDGED elements left is excused
-whole. The masks are causal (built from the steps up to the param's own): chunks are cut such that a
+Adam excusal (tracer/excusal.py): some elements of a post-step `param` are not judged like the
+others. Its masks are causal (built from the steps up to the param's own): chunks are cut such that a
 param never shares a chunk with an earlier tensor of the same parameter path that updates its mask.
 """
 
@@ -34,10 +32,10 @@ from tracer import kernels
 from tracer.chunk import ChunkLayout
 from tracer.chunk_pool import default_workers, ordered_map, single_threaded_ops
 from tracer.errors import TraceError
+from tracer.excusal import Excusal
 from tracer.heap import heap_keeps_chunks
 from tracer.reference_side import ReferenceSide, reference_side
 
-MIN_JUDGED = 16   # fewer judged elements: a heavy-tailed figure (noise from 3 runs; docs/tolerance.md)
 CHUNK_ELEMS = 1 << 18   # ~1 MB of float32 per run and chunk: stays in cache across the formulas
 Run = Mapping[str, torch.Tensor] | torch.Tensor   # a run's tensors of a chunk, or the chunk already flat
 
@@ -86,22 +84,7 @@ class TensorKey(NamedTuple):
     unit: float           # unit roundoff of the tensor's traced dtype
     numel: int            # elements of the logical tensor
     rowcol: tuple[int, int] | None = None   # (rows, columns) of the row-column metric; None: not judged
-
-
-class _Excusal:
-    """Per path: the not-judged mask, the last gradient deviation, how far the reference's updates moved it;
-    numpy arrays the kernels fill (the torch calls they replaced cost a 16x comparison ~0.1 s of CPU)."""
-
-    def __init__(self, k_elem: float):
-        self.k = k_elem
-        self.masks: dict[str, np.ndarray] = {}                            # flat bool
-        self.grad_dev: dict[str, tuple[np.ndarray, np.ndarray]] = {}      # (candidate, perturbed) |dg|
-        self.previous: dict[str, np.ndarray] = {}                         # the reference's last param value
-        self.updates: dict[str, float] = {}                               # sum over steps of max |update|
-
-    def add(self, path: str, mask: np.ndarray) -> None:
-        prev = self.masks.get(path)
-        self.masks[path] = mask if prev is None or prev.shape != mask.shape else prev | mask
+    first_update: bool = False   # a post-step param of Adam's first update from a fresh state (excusal.py)
 
 
 def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]]:
@@ -134,7 +117,7 @@ def measure(keys: Sequence[TensorKey], reference: Mapping[str, torch.Tensor],
     `excused_masks`, if given, receives each parameter path's final excusal mask (flat).
     `prepared`: `prepare`'s reference sides (same keys and runs): a chunk found there reads only the
     candidate. Chunks are measured on `workers` threads (default: every core, tracer/chunk_pool.py)."""
-    excusal, prepared = _Excusal(k_elem), prepared or {}
+    excusal, prepared = Excusal(k_elem), prepared or {}
 
     def load(chunk: list[TensorKey]) -> tuple[ReferenceSide | None, list[Run]]:
         names = [k.name for k in chunk]
@@ -192,7 +175,7 @@ def _dtype(names: Sequence[str], runs: Sequence[Run]) -> torch.dtype:
     return torch.float64 if any(map(wide, runs)) else torch.float32
 
 
-def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Excusal,
+def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: Excusal,
                    side: ReferenceSide | None = None) -> dict[str, TensorStats]:
     """The chunk's figures from runs = (reference, candidate, *perturbed), or the candidate and `side`."""
     names = [k.name for k in chunk]
@@ -218,32 +201,10 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
     updates, absmax = [math.nan] * n, [0.0] * n
     if params:
         judged = np.ones(layout.size)   # 1.0 / 0.0 per element (the kernels' form), written per param
-        none, p_runs = np.zeros(0), kernels.runs([p.numpy() for p in ps], r_np)
+        p_runs = kernels.runs([p.numpy() for p in ps], r_np)
         for i, k in params:
-            sl = layout.slice(i)
-            before = excusal.previous.get(k.path)
-            moved = before is not None and before.size == k.numel
-            keep = excusal.previous[k.path] = np.empty(k.numel, r_np.dtype)
-            dev = excusal.grad_dev.get(k.path)
-            explain = len(ps) > 0 and dev is not None and dev[0].size == k.numel
-            mask = excusal.masks.get(k.path)
-            known = mask is not None and mask.size == k.numel
-            mask = mask if known else np.zeros(k.numel, np.bool_)
-            for ex in (explain, False):   # again with the whole mask where too few are left to judge
-                figures = kernels.excusal.param(
-                    r_np, p_runs, len(ps), c_np, np.uint64(sl.start), k.numel, mask, dev[0] if ex else none,
-                    dev[1] if ex else none, ex, excusal.k, k.unit,
-                    before.astype(r_np.dtype, copy=False) if moved else keep[:0], keep, judged)
-                if not 0 < k.numel - figures[3] < MIN_JUDGED <= k.numel:
-                    break
-                mask[:], known = True, True
-            (added, env_max[i], absmax[i], excused[i], excused_dev[i], beyond[i], beyond_noise[i],
-             step) = figures
-            if moved:
-                excusal.updates[k.path] = excusal.updates.get(k.path, 0.0) + step
-            updates[i] = excusal.updates.get(k.path, math.nan)
-            if known or added:
-                excusal.masks[k.path] = mask
+            (excused[i], excused_dev[i], beyond[i], beyond_noise[i], env_max[i], absmax[i],
+             updates[i]) = excusal.param(k, layout.slice(i).start, r_np, c_np, len(ps), p_runs, judged)
     if side is None:
         side = reference_side(names, [k.unit for k in chunk], [k.rowcol for k in chunk], layout, dtype, r, ps,
                               judged)
@@ -271,11 +232,8 @@ def _measure_chunk(chunk: Sequence[TensorKey], runs: Sequence[Run], excusal: _Ex
         for i, k in enumerate(chunk):
             if k.kind != "param_grad" or not k.numel:
                 continue
-            near, dev, env = np.empty(k.numel, np.bool_), np.empty(k.numel), np.empty(k.numel)
-            room, lo = float((side.noise[i] + k.unit) * side.rms[i]), np.uint64(layout.offsets[i])
-            kernels.excusal.gradient(r_np, c_np, env_full, lo, k.numel, excusal.k, room, near, dev, env)
-            excusal.add(k.path, near)
-            excusal.grad_dev[k.path] = (dev, env)
+            room = float((side.noise[i] + k.unit) * side.rms[i])
+            excusal.gradient(k, r_np, c_np, env_full, layout.offsets[i], room)
 
     # Plain floats and ints per tensor (tolist, not float() per element: 6,113 tensors at 16x).
     (rel, max_err, cos, elem_err, scale_err, rc_err, own_err, noise, elem_noise, max_noise, scale_noise,

@@ -297,3 +297,14 @@ print("frozen in each job", all(n > 10000 for n in frozen), len(frozen), "after"
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:3] == ["live sessions 0", "live sessions 0",
                                           "frozen in each job True 2 after 0"], out.stdout
+
+
+@pytest.mark.parametrize("init", [{}, {"checkpoint": "/ckpt/step-200"}])
+def test_a_runs_meta_says_whether_it_started_from_a_checkpoint(init):
+    """A trace records whether its step 0 may be Adam's first update from a fresh state (the
+    comparison's first-update excusal, tracer/excusal.py): not so from a checkpoint, which may hold
+    the optimizer's moments."""
+    spec = {"parallel": {"name": "single", "world_size": 1}, "seed": 7, "steps": 2, "init": init,
+            "trace": {"store_url": "memory://s", "role": "candidate", "run": "candidate", "fingerprint": "f"}}
+    meta = JobConfig.from_spec(spec, env={"RANK": "0", "WORLD_SIZE": "1"}).meta()
+    assert meta["from_checkpoint"] is bool(init)

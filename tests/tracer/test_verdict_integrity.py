@@ -130,6 +130,24 @@ def adam_check(ray_cluster, tmp_path_factory):
     return ref, pert, candidate
 
 
+def test_a_fresh_runs_step_0_params_are_judged_as_adams_first_update_and_no_other_tensor(adam_check):
+    """tracer.compare_inputs.tensor_keys: a session writes whether its run started from a checkpoint
+    (meta `from_checkpoint`); a fresh run's step-0 params are Adam's first update (the first-update
+    excusal, tracer/excusal.py), no other tensor is, and no tensor of a run from a checkpoint or of a
+    trace that does not say."""
+    ref, _, _ = adam_check
+    assert ref.meta["from_checkpoint"] is False
+    keys = tensor_keys(ref)
+    first = {k.name for k in keys if k.first_update}
+    assert first and first == {k.name for k in keys if k.kind == "param" and k.name.startswith("0/")}
+    try:
+        for said in (True, None):
+            ref.meta["from_checkpoint"] = said
+            assert not any(k.first_update for k in tensor_keys(ref)), said
+    finally:
+        ref.meta["from_checkpoint"] = False
+
+
 def _near_zero_grads(ref, pert) -> dict[str, torch.Tensor]:
     """The parameter elements excused because their gradient is within noise of zero, whatever the
     candidate holds (measured with the reference as its own candidate: nothing else is excused)."""

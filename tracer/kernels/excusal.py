@@ -12,34 +12,39 @@ from tracer.kernels.loops import JIT, U, nanmax
 
 
 @numba.njit(**JIT)
-def gradient(r, c, env_full, lo, n, k, room, near, dev, env):
+def gradient(r, c, env_full, lo, n, k, room, eps, near, dev, env, upd):
     """A param_grad of n elements at lo: near[j] = |r| <= k (env + room) (within noise of zero: its
     update may go either way), except where the reference, every perturbed run and the candidate are
-    exactly zero (a deterministic zero update); dev[j] = |c - r| and env[j] = the perturbed runs'
-    envelope, kept for the param's excusal. `room` = (noise + unit) x rms(r)."""
+    exactly zero (a deterministic zero update); dev[j] = |c - r|, env[j] = the perturbed runs'
+    envelope and upd[j] = |u(c) - u(r)|, u(g) = g / (|g| + eps) Adam's first update over lr
+    (tracer/adam.py), kept for the param's excusal. `room` = (noise + unit) x rms(r)."""
     for j in range(U(n)):
         at = lo + j
         rv = np.float64(r[at])
+        cv = np.float64(c[at])
         e = np.float64(env_full[at])
         d = abs(np.float64(c[at] - r[at]))
         near[j] = abs(rv) <= k * (e + room) and not (rv == 0.0 and e == 0.0 and d == 0.0)
         dev[j] = d
         env[j] = e
+        upd[j] = abs(cv / (abs(cv) + eps) - rv / (abs(rv) + eps))
 
 
 @numba.njit(**JIT)
-def param(r, P, R, c, lo, n, mask, c_dg, p_dg, explain, k, unit, before, keep, judged):
+def param(r, P, R, c, lo, n, mask, c_dg, p_dg, c_upd, lr, explain, k, unit, before, keep, judged):
     """A post-step param of n elements at lo (P[:R] the perturbed runs, tracer.kernels.runs). With
     `explain`, mask (bool, n) gains the elements whose deviation the candidate's gradient deviation
     c_dg explains: 0 < |c - r| <= k x gain x c_dg, gain the perturbed runs' parameter envelope over
-    their gradient envelope p_dg. Written: keep (n,) the reference's values (the next step's
-    `before`), judged[lo:][:n] 0.0 at the masked elements and 1.0 elsewhere. Returns (added,
-    env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max): the perturbed runs'
-    largest move and the reference's largest element; over the excused (masked) elements their
-    count, their largest |c - r| (NaN propagates), how many lie beyond k x their envelope (one ulp of
-    room where no run moved them), and the most any perturbed run has beyond the others' envelope;
-    the reference's largest move from `before` (its previous step's values; 0 without them), in
-    r's dtype as torch's (r - before).abs().max() (NaN propagates)."""
+    their gradient envelope p_dg; or, for Adam's first update (lr > 0: the reference's largest move
+    of this parameter in it), 0 < |c - r| <= k x lr x c_upd, c_upd the candidate's first-update
+    deviation |u(c_g) - u(r_g)| (tracer/adam.py; unread where lr is 0). Written: keep (n,) the
+    reference's values (the next step's `before`), judged[lo:][:n] 0.0 at the masked elements and 1.0
+    elsewhere. Returns (added, env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max):
+    the perturbed runs' largest move and the reference's largest element; over the excused (masked)
+    elements their count, their largest |c - r| (NaN propagates), how many lie beyond k x their
+    envelope (one ulp of room where no run moved them), and the most any perturbed run has beyond the
+    others' envelope; the reference's largest move from `before` (its previous step's values; 0
+    without them), in r's dtype as torch's (r - before).abs().max() (NaN propagates)."""
     added, env_max, absmax, step_max = 0, 0.0, 0.0, 0.0
     moved = before.shape[0] == n
     for j in range(U(n)):
@@ -56,7 +61,8 @@ def param(r, P, R, c, lo, n, mask, c_dg, p_dg, explain, k, unit, before, keep, j
         if explain and not mask[j]:
             d = abs(np.float64(c[at] - rv))
             gain = e / p_dg[j] if p_dg[j] > 0.0 else 0.0
-            if d > 0.0 and c_dg[j] > 0.0 and d <= k * gain * c_dg[j]:
+            first = lr > 0.0 and d <= k * lr * c_upd[j]   # c_upd is read only where lr > 0
+            if d > 0.0 and ((c_dg[j] > 0.0 and d <= k * gain * c_dg[j]) or first):
                 mask[j] = True
                 added += 1
         judged[at] = 0.0 if mask[j] else 1.0
