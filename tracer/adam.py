@@ -6,7 +6,7 @@ steps (`first_update`: its size over lr). Above ~100 eps it is lr * sign(g) what
 its size follows |g|, which rounding decides there. Two places use it:
 - grad-sign replay (tracer/grad_signs.py): a perturbed run or the candidate keeps its own grad only
   where its first update is within UPDATE_AGREE (1%) of lr of the reference's;
-- the comparison (tracer/measure.py): a post-step parameter of that first update is excused where its
+- the comparison (tracer/excusal.py): a post-step parameter of that first update is excused where its
   deviation is what the candidate's own grad, kept under that rule, makes of it through this formula.
 Both assume Adam's default eps (every built-in job's) on the grads as traced: a job that clips them
 (moving every |g| by the clip factor) or sets a larger eps moves its updates by more than this says.

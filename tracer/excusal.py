@@ -7,7 +7,7 @@ gradient envelope), or, in Adam's first update from a fresh state (TensorKey.fir
 Adam's own formula (tracer/adam.py): lr x |u(c_g) - u(r_g)|, lr the reference's largest move in that
 update. The perturbed runs' gain is linear and 0 where grad-sign replay gave them the reference's
 grad, while near eps a candidate's honest grad moves its first update by up to 1% of lr
-(UPDATE_AGREE): clean hf bf16 checks on an Intel Xeon failed so at 1.4-2.4x (docs/tolerance.md,
+(UPDATE_AGREE): clean hf bf16 checks on an Intel Xeon failed so at 1.06-2.46x (docs/tolerance.md,
 "Known gaps"). A param with fewer than MIN_JUDGED elements left is excused whole. Excused elements
 are still bounded (excused_dev, beyond; tracer.judge): never unconditionally. The masks are causal
 (built from the steps up to the param's own; measure.py cuts its chunks so).
