@@ -72,13 +72,10 @@ class Excusal:
         known = mask is not None and mask.size == n
         mask = mask if known else np.zeros(n, np.bool_)
         before = before.astype(r.dtype, copy=False) if moved else keep[:0]
-        lr = 0.0   # the reference's largest move in Adam's first update (module doc); 0: not that update
-        if key.first_update and moved and n:
-            lr = float(np.abs(r[start:start + n] - before.astype(np.float64)).max())
         for ex in (explain, False):   # again with the whole mask where too few are left to judge
             figures = kernels.excusal.param(
                 r, p_runs, runs, c, np.uint64(start), n, mask, dev[0] if ex else none, dev[1] if ex else none,
-                dev[2] if ex else none, lr if ex else 0.0, ex, self.k, key.unit, before, keep, judged)
+                dev[2] if ex else none, key.first_update and ex, ex, self.k, key.unit, before, keep, judged)
             if not 0 < n - figures[3] < MIN_JUDGED <= n:
                 break
             mask[:], known = True, True

@@ -117,7 +117,7 @@ def warm_up(dtypes: tuple[str, ...] = ("float32", "float64"), gathers: bool = Tr
         candidate(x, x, x, none, zero, one, f8, side[3], side[4], zero, zero, offsets, offsets, f8, f8,
                   side[14])
         excusal.gradient(x, x, x, at, 1, 1.0, 0.0, 1e-8, flags, f8.copy(), f8.copy(), f8.copy())
-        excusal.param(x, runs([x], x), 1, x, at, 1, flags, none, none, none, 0.0, False, 1.0, 1.0, x[:0],
+        excusal.param(x, runs([x], x), 1, x, at, 1, flags, none, none, none, False, False, 1.0, 1.0, x[:0],
                       x.copy(), f8.copy())
         moments.moments(x, x.view(uint), uint(0), zero, one, np.zeros(1, uint), np.uint64(x.ctypes.data),
                         zero, one * x.itemsize, np.zeros(1, np.uint64))

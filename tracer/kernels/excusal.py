@@ -31,28 +31,30 @@ def gradient(r, c, env_full, lo, n, k, room, eps, near, dev, env, upd):
 
 
 @numba.njit(**JIT)
-def param(r, P, R, c, lo, n, mask, c_dg, p_dg, c_upd, lr, explain, k, unit, before, keep, judged):
-    """A post-step param of n elements at lo (P[:R] the perturbed runs, tracer.kernels.runs). With
-    `explain`, mask (bool, n) gains the elements whose deviation the candidate's gradient deviation
-    c_dg explains: 0 < |c - r| <= k x gain x c_dg, gain the perturbed runs' parameter envelope over
-    their gradient envelope p_dg; or, for Adam's first update (lr > 0: the reference's largest move
-    of this parameter in it), 0 < |c - r| <= k x lr x c_upd, c_upd the candidate's first-update
-    deviation |u(c_g) - u(r_g)| (tracer/adam.py; unread where lr is 0). Written: keep (n,) the
+def param(r, P, R, c, lo, n, mask, c_dg, p_dg, c_upd, first, explain, k, unit, before, keep, judged):
+    """A post-step param of n elements at lo (P[:R] the perturbed runs, tracer.kernels.runs). With `explain`,
+    mask (bool, n) gains the elements whose deviation the candidate's gradient deviation c_dg explains:
+    0 < |c - r| <= k x gain x c_dg, gain the perturbed runs' parameter envelope over their gradient envelope
+    p_dg; or, where this is Adam's first update (`first`, with `before`), 0 < |c - r| <= k x lr x c_upd,
+    lr the reference's largest move from `before` (float64; NaN: not applied), c_upd the candidate's
+    first-update deviation |u(c_g) - u(r_g)| (tracer/adam.py; read only then). Written: keep (n,) the
     reference's values (the next step's `before`), judged[lo:][:n] 0.0 at the masked elements and 1.0
-    elsewhere. Returns (added, env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max):
-    the perturbed runs' largest move and the reference's largest element; over the excused (masked)
-    elements their count, their largest |c - r| (NaN propagates), how many lie beyond k x their
-    envelope (one ulp of room where no run moved them), and the most any perturbed run has beyond the
-    others' envelope; the reference's largest move from `before` (its previous step's values; 0
-    without them), in r's dtype as torch's (r - before).abs().max() (NaN propagates)."""
-    added, env_max, absmax, step_max = 0, 0.0, 0.0, 0.0
-    moved = before.shape[0] == n
+    elsewhere. Returns (added, env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max): the
+    perturbed runs' largest move and the reference's largest element; over the excused (masked) elements
+    their count, their largest |c - r| (NaN propagates), how many lie beyond k x their envelope (one ulp
+    of room where no run moved them), and the most any perturbed run has beyond the others' envelope; the
+    reference's largest move from `before` (its previous step's values; 0 without them), in r's dtype as
+    torch's (r - before).abs().max() (NaN propagates)."""
+    added, env_max, absmax, step_max, lr = 0, 0.0, 0.0, 0.0, 0.0
+    if before.shape[0] == n:   # the reference's largest move, before the elements it explains
+        for j in range(U(n)):
+            step_max = nanmax(step_max, abs(r[lo + j] - before[j]))
+            if first:
+                lr = nanmax(lr, abs(np.float64(r[lo + j]) - np.float64(before[j])))
     for j in range(U(n)):
         at = lo + j
         rv = r[at]
         keep[j] = rv
-        if moved:
-            step_max = nanmax(step_max, abs(rv - before[j]))
         e = 0.0
         for q in range(R):
             e = max(e, abs(np.float64(P[q][at] - rv)))
@@ -61,8 +63,8 @@ def param(r, P, R, c, lo, n, mask, c_dg, p_dg, c_upd, lr, explain, k, unit, befo
         if explain and not mask[j]:
             d = abs(np.float64(c[at] - rv))
             gain = e / p_dg[j] if p_dg[j] > 0.0 else 0.0
-            first = lr > 0.0 and d <= k * lr * c_upd[j]   # c_upd is read only where lr > 0
-            if d > 0.0 and ((c_dg[j] > 0.0 and d <= k * gain * c_dg[j]) or first):
+            adam = lr > 0.0 and d <= k * lr * c_upd[j]   # lr > 0 only where `first`: c_upd read then
+            if d > 0.0 and ((c_dg[j] > 0.0 and d <= k * gain * c_dg[j]) or adam):
                 mask[j] = True
                 added += 1
         judged[at] = 0.0 if mask[j] else 1.0
