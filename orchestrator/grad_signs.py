@@ -8,7 +8,7 @@ the tokens of that expert, and which elements flip differs from run to run: R pe
 cover the candidate's flips element by element (the step-1 MoE false alarms of docs/tolerance.md,
 "Grad-sign replay"). Under replay the perturbed references and the candidate take the reference's grad
 where their own has the other sign (or is zero where the reference's is not, or the reference's is
-below tracer.grad_signs.EPS_BAND, near Adam's eps, where an update's size follows |g|, or their own first
+below tracer.grad_signs.EPS_BAND eps, near Adam's eps, where an update's size follows |g|, or their own first
 update would differ from the reference's by over 1% of lr), after the grads are traced and before the
 optimizer reads them. The traced grads are the run's own and judged as
 before; the update no longer amplifies noise into a discrete move.

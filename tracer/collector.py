@@ -178,7 +178,9 @@ class Tracer(TraceScopes):
                   "modules ran again in backward, each matched to its first forward", file=sys.stderr)
         if self._signs is not None:   # into the rank's log: how much of the update was replayed
             print(f"ttrace: grad-sign replay: {self._signs.taken} of {self._signs.elements} grad elements "
-                  "took the reference's value", file=sys.stderr)
+                  f"took the reference's value (Adam's eps {self._signs.eps})", file=sys.stderr)
+            if self._signs.eps is not None:   # the comparison's first-update rule uses the same
+                self._writer.header["meta"]["first_update_eps"] = self._signs.eps
         self._writer.close(incomplete)
 
     # -- internals -----------------------------------------------------------------------------

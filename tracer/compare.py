@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tracer.compare_inputs import tensor_keys
+from tracer.compare_inputs import first_update_eps, tensor_keys
 from tracer.compare_shares import Measured, measure_keys
 from tracer.errors import TraceError
 from tracer.heap import gc_paused
@@ -163,7 +163,7 @@ def _compare(reference: LogicalTrace, candidate: LogicalTrace, perturbed: Sequen
     # huge where |g| is near Adam's eps: elements whose candidate error is explained by the
     # candidate's own (accepted) gradient deviation times the gain measured on the perturbed runs
     # are judged at the param_grad, not again here. Both live in tracer.measure.
-    keys = tensor_keys(reference)
+    keys = tensor_keys(reference, first_update_eps([candidate, *perturbed]))
     if measurer is None:
         got = measure_keys(reference, candidate, perturbed, keys, policy.k_elem, prepared, only=some)
     else:

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from tracer.adam import ADAM_EPS
 from tracer.errors import LayoutMismatch, TraceError
 from tracer.layouts import Assembled
 from tracer.logical import LogicalTrace, StoredTensors
@@ -94,19 +95,33 @@ class ShapeCheckedReads(Mapping[str, torch.Tensor]):
         return len(self.trace.tensors)
 
 
-def tensor_keys(reference: LogicalTrace) -> list[TensorKey]:
+def tensor_keys(reference: LogicalTrace, eps: float = ADAM_EPS) -> list[TensorKey]:
     """What the measurement needs of every reference tensor, in execution order. The row-column
     metric judges the tensors of the first traced step only (tracer.tolerance.rowcol_shape). Step 0's
-    params are Adam's first update from a fresh state (TensorKey.first_update) where the trace starts
-    at step 0 and its run says it did not start from a checkpoint (tracer.job_config.JobConfig.meta; a
-    trace that does not say, written before the first-update rule of 2026-12-07, is not taken for one)."""
+    param grads and params make Adam's first update from a fresh state (TensorKey.first_update: `eps`,
+    `first_update_eps`) where the trace starts at step 0 and its run says it did not start from a
+    checkpoint (tracer.job_config.JobConfig.meta; a trace that does not say, written before the
+    first-update rule of 2026-12-07, is not taken for one)."""
     path = lambda n: n.split("/", 2)[2].rsplit("/", 1)[0]
     first = reference.first_step()
     fresh = first == 0 and reference.meta.get("from_checkpoint") is False
     key = lambda n, e, shape: TensorKey(n, e["kind"], path(n), unit_roundoff(e["dtype"]), math.prod(shape),
                                         rowcol_shape(shape, e["kind"], after_update=int(e["step"]) > first),
-                                        fresh and e["kind"] == "param" and int(e["step"]) == 0)
+                                        eps if fresh and e["kind"] in ("param_grad", "param")
+                                        and int(e["step"]) == 0 else 0.0)
     return [key(n, reference.info[n], reference.shape(n)) for n in reference.order]
+
+
+def first_update_eps(runs: Sequence[LogicalTrace]) -> float:
+    """The eps of the reference's first update that the runs' grad-sign replay fitted and used
+    (tracer.grad_signs.reference_eps, their manifests' `first_update_eps`), which the comparison's
+    first-update rule uses too; ADAM_EPS where no run replayed (or was traced before 2026-12-08)."""
+    said = {p.run: float(p.meta["first_update_eps"]) for p in runs if "first_update_eps" in p.meta}
+    if len(set(said.values())) > 1:
+        raise TraceError(f"the runs' grad-sign replays read different first updates from the reference "
+                         f"(Adam's eps {said}): they replayed different reference runs; recompute the "
+                         "reference set and the candidate")
+    return next(iter(said.values()), ADAM_EPS)
 
 
 def prepare_reference_side(reference: LogicalTrace,

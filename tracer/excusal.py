@@ -3,14 +3,16 @@
 A post-step `param` element is not judged where this or an earlier step's gradient was within noise
 of zero (its update may go either way), or where its error is explained by the candidate's accepted
 gradient deviation: times the gain the perturbed runs show (their parameter envelope over their
-gradient envelope), or, in Adam's first update from a fresh state (TensorKey.first_update), through
-Adam's own formula (tracer/adam.py): lr x |u(c_g) - u(r_g)|, lr the reference's largest move in that
-update. The perturbed runs' gain is linear and 0 where grad-sign replay gave them the reference's
-grad, while near eps a candidate's honest grad moves its first update by up to 1% of lr
-(UPDATE_AGREE): clean hf bf16 checks on an Intel Xeon failed so at 1.06-2.46x (docs/tolerance.md,
-"Known gaps"). A param with fewer than MIN_JUDGED elements left is excused whole. Excused elements
-are still bounded (excused_dev, beyond; tracer.judge): never unconditionally. The masks are causal
-(built from the steps up to the param's own; measure.py cuts its chunks so).
+gradient envelope), or, in Adam's first update from a fresh state (TensorKey.first_update: its eps),
+through Adam's own formula (tracer/adam.py): lr x |u(c_g) - u(r_g)|, lr the reference's largest move in
+that update, u at the eps the runs' grad-sign replay fitted to the reference's first update
+(tracer.compare_inputs.first_update_eps). The perturbed runs' gain is linear and 0 where grad-sign
+replay gave them the reference's grad, while near eps a candidate's honest grad moves its first
+update by up to 1% of lr (UPDATE_AGREE): clean hf bf16 checks on an Intel Xeon failed so at
+1.06-2.46x (docs/tolerance.md, "Known gaps"). A param with fewer than MIN_JUDGED elements left is
+excused whole. Excused elements are still bounded (excused_dev, beyond; tracer.judge): never
+unconditionally. The masks are causal (built from the steps up to the param's own; measure.py cuts
+its chunks so).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from tracer import kernels
-from tracer.adam import ADAM_EPS
 
 Key = Any   # a tracer.measure.TensorKey (measure.py imports this module)
 
@@ -49,10 +50,9 @@ class Excusal:
         """A param_grad at flat offset `lo` of the chunk (r, c; env_full the perturbed runs' envelope):
         its elements within noise of zero join the path's mask, its deviations are kept for the param.
         `room` = (noise + unit) x rms(r)."""
-        n = key.numel
-        near, dev, env, upd = np.empty(n, np.bool_), np.empty(n), np.empty(n), np.empty(n)
-        kernels.excusal.gradient(r, c, env_full, np.uint64(lo), n, self.k, room, ADAM_EPS, near, dev, env,
-                                 upd)
+        n, eps = key.numel, key.first_update   # Adam's eps where it makes the first update (else 0)
+        near, dev, env, upd = np.empty(n, np.bool_), np.empty(n), np.empty(n), np.empty(n if eps else 0)
+        kernels.excusal.gradient(r, c, env_full, np.uint64(lo), n, self.k, room, eps, near, dev, env, upd)
         self.add(key.path, near)
         self.grad_dev[key.path] = (dev, env, upd)
 
@@ -73,9 +73,10 @@ class Excusal:
         mask = mask if known else np.zeros(n, np.bool_)
         before = before.astype(r.dtype, copy=False) if moved else keep[:0]
         for ex in (explain, False):   # again with the whole mask where too few are left to judge
+            first = ex and key.first_update > 0 and dev[2].size == n   # its grad's |u(c) - u(r)| is there
             figures = kernels.excusal.param(
                 r, p_runs, runs, c, np.uint64(start), n, mask, dev[0] if ex else none, dev[1] if ex else none,
-                dev[2] if ex else none, key.first_update and ex, ex, self.k, key.unit, before, keep, judged)
+                dev[2] if ex else none, first, ex, self.k, key.unit, before, keep, judged)
             if not 0 < n - figures[3] < MIN_JUDGED <= n:
                 break
             mask[:], known = True, True

@@ -84,7 +84,8 @@ class TensorKey(NamedTuple):
     unit: float           # unit roundoff of the tensor's traced dtype
     numel: int            # elements of the logical tensor
     rowcol: tuple[int, int] | None = None   # (rows, columns) of the row-column metric; None: not judged
-    first_update: bool = False   # a post-step param of Adam's first update from a fresh state (excusal.py)
+    # A param_grad or post-step param of Adam's first update from a fresh state: its eps (excusal.py); 0: not
+    first_update: float = 0.0
 
 
 def _chunks(keys: Sequence[TensorKey], chunk_elems: int) -> list[list[TensorKey]]:

@@ -51,6 +51,84 @@ def test_a_grad_of_the_reference_sign_whose_update_differs_by_over_1_percent_of_
     assert grad.tolist() == torch.tensor([-4.5e-5, 1.2e-6, 9e-7, 1e-4, -3e-3]).tolist()
 
 
+def test_a_grad_whose_update_moves_over_1_percent_of_lr_at_the_fitted_eps_takes_the_reference_value():
+    """Clipped 10x, Adam's eps acts as 1.1e-7 on the traced grads: a grad of -8e-6 against the
+    reference's -2e-5 moves the first update 0.81% of lr (kept) and -5e-6 1.6% (taken); at ADAM_EPS
+    both read as under 0.2% (kept): the deviation a clean hf bf16 check clipping at 0.1 kept (seed 522
+    on an Intel Xeon: 6% of lr read as 0.59%)."""
+    ref = torch.tensor([-2e-5, -2e-5, 5e-5])
+    grad = torch.tensor([-8e-6, -5e-6, 4e-5])
+    assert take_reference_signs(grad.clone(), ref) == 0
+    at_fit = grad.clone()
+    assert take_reference_signs(at_fit, ref, eps=1.1e-7) == 1
+    assert at_fit.tolist() == torch.tensor([-8e-6, -2e-5, 4e-5]).tolist()
+
+
+def _first_step(root, run: str, optimizer: str, clip: float, meta: dict) -> None:
+    """A traced fresh first step of a 64x64 weight whose grad spans 1e-10 to 1e-3 (so some of it lies
+    near eps), clipped to `clip` of its norm before `optimizer` (adam, sgd) steps it."""
+    g = torch.Generator().manual_seed(3)
+    net = nn.Linear(64, 64, bias=False)
+    grad = torch.exp(torch.empty(64, 64).uniform_(-23.0, -6.9, generator=g))   # |g| 1e-10 .. 1e-3
+    grad *= torch.randint(0, 2, (64, 64), generator=g) * 2 - 1
+    tr = Tracer(str(root), run, 0, coords={}, sizes={}, meta={"fingerprint": "lin", **meta})
+    tr.attach(net, {"": ModuleLayout()})
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3) if optimizer == "adam" else \
+        torch.optim.SGD(net.parameters(), lr=1e-3)
+    with tr.step(-1):
+        tr.record_params(net)
+    net.weight.grad = grad.clone()
+    with tr.step(0):
+        tr.record_param_grads(net)   # before clipping, as the job contract says
+        torch.nn.utils.clip_grad_norm_(net.parameters(), clip * float(grad.norm()))
+        opt.step()
+        tr.record_params(net)
+    tr.close()
+
+
+def test_the_eps_of_a_clipped_first_update_is_fitted_from_the_reference(tmp_path):
+    """tracer.grad_signs.reference_eps: Adam's eps over the clip factor, read off the reference's own
+    first update (tracer/adam.py); ADAM_EPS where it cannot be told: moves unlike Adam's (SGD), a run
+    from a checkpoint (its moments not fresh) or one that does not say."""
+    from tracer.adam import ADAM_EPS
+    from tracer.grad_signs import reference_eps
+
+    fitted = {}
+    for run, optimizer, clip, meta in (("adam10", "adam", 0.1, {"from_checkpoint": False}),
+                                        ("adam1", "adam", 1.0, {"from_checkpoint": False}),
+                                        ("sgd", "sgd", 0.1, {"from_checkpoint": False}),
+                                        ("resumed", "adam", 0.1, {"from_checkpoint": True}),
+                                        ("unsaid", "adam", 0.1, {})):
+        _first_step(tmp_path, run, optimizer, clip, meta)
+        fitted[run] = reference_eps(load_logical(str(tmp_path), run, 1))
+    assert fitted["adam10"] == pytest.approx(10 * ADAM_EPS, rel=0.02)
+    assert fitted["adam1"] == pytest.approx(ADAM_EPS, rel=0.02)
+    assert fitted["sgd"] == fitted["resumed"] == fitted["unsaid"] == ADAM_EPS
+
+
+def test_a_replaying_run_takes_at_the_fitted_eps_and_records_it_for_the_comparison(tmp_path, capfd):
+    """The replay decides at the eps the reference's first update shows, and the run's manifest says
+    which (`first_update_eps`): the comparison's first-update rule reads it there
+    (tracer.compare_inputs.first_update_eps)."""
+    _first_step(tmp_path, "reference", "adam", 0.1, {"from_checkpoint": False})
+    ref = load_logical(str(tmp_path), "reference", 1).tensors["0/-/weight/param_grad"].tensor
+    own = ref.clone()
+    i = int(((ref.abs() - 2e-5).abs()).argmin())   # a grad ~2e-5: above the band at the fitted eps too
+    own.view(-1)[i] *= 0.25                         # 1.6% of lr off at the fitted eps, 0.15% at ADAM_EPS
+    net = nn.Linear(64, 64, bias=False)
+    tr = Tracer(str(tmp_path), "candidate", 0, coords={}, sizes={}, meta={"fingerprint": "lin"})
+    tr.attach(net, {"": ModuleLayout()})
+    tr.replay_grad_signs(reference_grads(f"{tmp_path}/reference", {}, {}))
+    net.weight.grad = own.clone()
+    with tr.step(0):
+        tr.record_param_grads(net)
+    tr.close()
+    assert net.weight.grad.view(-1)[i] == ref.view(-1)[i]
+    said = load_logical(str(tmp_path), "candidate", 1).meta["first_update_eps"]
+    assert said == pytest.approx(1e-7, rel=0.02)
+    assert f"(Adam's eps {said})" in capfd.readouterr().err
+
+
 def _run(root, run: str, weight_grad: torch.Tensor, signs_from: str | None = None) -> nn.Linear:
     """A run whose Linear has `weight_grad` (and a zero bias grad) at step 0, traced; `signs_from`:
     replay the grad signs of that reference run."""

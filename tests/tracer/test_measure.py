@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tracer.adam import first_update
+from tracer.adam import ADAM_EPS, first_update
 from tracer.errors import TraceError
 from tracer.excusal import MIN_JUDGED
 from tracer.kernels.loops import TILE as BLOCK  # a tile boundary of the compiled kernels
@@ -107,7 +107,9 @@ def _oracle(keys, ref, cand, perts):
             env = torch.stack([(p - r).abs() for p in ps]).amax(0)
             near = r.abs() <= K_ELEM * (env + (nu + k.unit) * r.square().mean().sqrt())
             add(k.path, near & ~((r == 0) & (env == 0) & (c == r)))   # exact zeros in every run: judged
-            grad_dev[k.path] = ((c - r).abs(), env, (first_update(c) - first_update(r)).abs())
+            grad_dev[k.path] = ((c - r).abs(), env,
+                                (first_update(c, k.first_update) - first_update(r, k.first_update)).abs()
+                                if k.first_update else None)
     return out
 
 
@@ -125,9 +127,9 @@ def _traces(n_perturbed: int):
     for step in range(2):   # a parameter over two steps: its gradient, then its post-step value
         for kind in ("param_grad", "param"):
             # step 1's param is its first move (step 0's, untraced before it, is not): judged as Adam's
-            # first update, its figures equal to the definitions' too
+            # first update (at an eps of a clipped update), its figures equal to the definitions' too
             keys.append(TensorKey(f"{step}/-/w/{kind}", kind, "w", U, 300, rowcol_shape((10, 30), kind),
-                                  first_update=step == 1 and kind == "param"))
+                                  first_update=1.1e-7 if step == 1 else 0.0))
             t = rnd(300) * (1e-3 if kind == "param_grad" else 1.0)
             t[::7] *= 1e-6   # gradient elements within noise of zero: excused at the param
             ref[keys[-1].name] = t
@@ -299,35 +301,38 @@ def test_a_param_with_too_few_elements_left_to_judge_is_excused_whole_and_still_
     assert got.excused == 64 and got.beyond == 64 > K_ELEM * (got.beyond_noise + 1 + 64 / 2048)
 
 
-def _adam_first_step(first: bool, moved_more: float = 0.0):
-    """A weight's initial value, grad and Adam's first update (lr 1e-3, fresh state: lr x u(g),
-    tracer/adam.py) in the reference, 3 perturbed runs and the candidate: grads 0.1% apart, except
-    element 5, near Adam's eps, where the candidate's own grad (-9.5e-7 against the reference's
-    -8.6e-6, the same sign; kept by grad-sign replay, its update 0.92% of lr off) moves its first
-    update 9e-6 and the perturbed runs' (3e-4 of lr at most) far less: a clean hf bf16 tp2 check's
-    element on an Intel Xeon (seed 315). `moved_more`: the candidate's element 9 (a grad of 2e-3:
-    an update of lr whatever the rounding) moved that much beside its update, as a bug would."""
+def _adam_first_step(key_eps: float, moved_more: float = 0.0, eps: float = ADAM_EPS,
+                     near: tuple[float, float] = (-8.6e-6, -9.5e-7), given_up: bool = False):
+    """A weight's initial value, grad and Adam's first update (lr 1e-3, fresh state: lr x u(g) at `eps`,
+    tracer/adam.py) in the reference, 3 perturbed runs and the candidate; the keys say it is a first
+    update at `key_eps` (0: not one). Grads 0.1% apart, except element 5, near eps, where the
+    candidate's own grad (by default -9.5e-7 against the reference's -8.6e-6, the same sign; kept by
+    grad-sign replay, its update 0.92% of lr off) moves its first update 9e-6 and the perturbed runs'
+    (within 0.35% of the reference's grad: 3e-4 of lr at most) far less: a clean hf bf16 tp2 check's
+    element on an Intel Xeon (seed 315). `moved_more`: the candidate's element 9 (a grad of 2e-3: an
+    update of lr whatever the rounding) moved that much beside its update, as a bug would. `given_up`: the
+    perturbed runs' element 5 took the reference's grad (their replay found theirs too far off)."""
     g = torch.Generator().manual_seed(7)
     w0 = 0.02 * torch.randn(256, generator=g)
     grad = 1e-3 * torch.randn(256, generator=g)
-    grad[5], grad[9] = -8.6e-6, 2e-3
+    grad[5], grad[9] = near[0], 2e-3
     keys = [TensorKey("-1/-/w/param", "param", "w", U, 256),
-            TensorKey("0/-/w/param_grad", "param_grad", "w", U, 256),
-            TensorKey("0/-/w/param", "param", "w", U, 256, first_update=first)]
+            TensorKey("0/-/w/param_grad", "param_grad", "w", U, 256, first_update=key_eps),
+            TensorKey("0/-/w/param", "param", "w", U, 256, first_update=key_eps)]
 
     def run(own: torch.Tensor) -> dict[str, torch.Tensor]:
-        w = (w0.double() - 1e-3 * first_update(own.double())).float()
+        w = (w0.double() - 1e-3 * first_update(own.double(), eps)).float()
         return dict(zip([k.name for k in keys], (w0, own, w), strict=True))
 
     noisy = lambda: grad * (1 + 1e-3 * torch.randn(256, generator=g))
     ref = run(grad)
     perts = []
-    for near in (-8.6e-6, -8.57e-6, -8.63e-6):   # the perturbed runs' own grads at element 5
+    for f in (1.0, 1.0, 1.0) if given_up else (1.0, 0.9965, 1.0035):   # the perturbed runs' at element 5
         own = noisy()
-        own[5] = near
+        own[5] = near[0] * f
         perts.append(run(own))
     own = noisy()
-    own[5] = -9.5e-7
+    own[5] = near[1]
     cand = run(own)
     cand["0/-/w/param"][9] += moved_more
     return keys, ref, cand, perts
@@ -339,13 +344,30 @@ def test_a_first_update_its_own_grad_moved_through_adams_eps_is_excused_and_a_mo
     the perturbed runs' envelope: excused (and measured: excused_dev). Without the first-update rule,
     it is judged: far beyond its noise scale. A move of element 9, whose grad moves no update, is not
     excused by it."""
-    keys, ref, cand, perts = _adam_first_step(first=True)
+    keys, ref, cand, perts = _adam_first_step(ADAM_EPS)
     got = measure(keys, ref, cand, perts, K_ELEM)["0/-/w/param"]
     assert got.excused >= 1 and got.excused_dev == pytest.approx(9.2e-6, rel=0.05)
     assert got.elem_err < 4.0   # floor_elem, the least elementwise tolerance: passes
-    keys, ref, cand, perts = _adam_first_step(first=False)
+    keys, ref, cand, perts = _adam_first_step(0.0)
     without = measure(keys, ref, cand, perts, K_ELEM)["0/-/w/param"]
     assert without.excused_dev < 1e-6 and without.elem_err > 20   # judged: element 5 fails
-    keys, ref, cand, perts = _adam_first_step(first=True, moved_more=1e-5)
+    keys, ref, cand, perts = _adam_first_step(ADAM_EPS, moved_more=1e-5)
     bug = measure(keys, ref, cand, perts, K_ELEM)["0/-/w/param"]
     assert bug.elem_err > 20 and bug.excused == got.excused
+
+
+def test_a_clipped_first_update_is_judged_at_the_eps_the_runs_fitted_not_adams_default():
+    """Clipped 10x, Adam's eps acts as 1.1e-7 on the traced grads (tracer/adam.py): the candidate's own
+    grad -1.7e-6 against the reference's -2e-5, kept by a replay at that eps (0.81% of lr off; the
+    comparison's first-update rule reads the eps the runs' replay recorded), moves its element
+    8e-6, where the perturbed runs gave theirs up (no gain to explain it by); at ADAM_EPS the rule reads
+    0.08% of lr and judges it, far beyond its noise scale: an hf bf16 check clipping at 0.1 failed so on
+    an Intel Xeon (seed 534, 1.16x on a step-0 weight)."""
+    clipped = dict(eps=1.1e-7, near=(-2e-5, -8e-6), given_up=True)
+    keys, ref, cand, perts = _adam_first_step(1.1e-7, **clipped)
+    got = measure(keys, ref, cand, perts, K_ELEM)["0/-/w/param"]
+    assert got.excused >= 1 and got.excused_dev == pytest.approx(8.1e-6, rel=0.05)
+    assert got.elem_err < 4.0
+    keys, ref, cand, perts = _adam_first_step(ADAM_EPS, **clipped)
+    at_default = measure(keys, ref, cand, perts, K_ELEM)["0/-/w/param"]
+    assert at_default.excused_dev < 1e-6 and at_default.elem_err > 20

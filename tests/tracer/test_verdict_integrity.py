@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tracer.compare import compare
-from tracer.compare_inputs import tensor_keys
+from tracer.compare_inputs import first_update_eps, tensor_keys
+from tracer.errors import TraceError
 from tracer.isolation import name_culprit
 from tracer.logical import load_logical
 from tracer.measure import measure
@@ -130,22 +131,42 @@ def adam_check(ray_cluster, tmp_path_factory):
     return ref, pert, candidate
 
 
-def test_a_fresh_runs_step_0_params_are_judged_as_adams_first_update_and_no_other_tensor(adam_check):
+def test_a_fresh_runs_step_0_param_grads_and_params_are_adams_first_update_and_no_other_tensor(adam_check):
     """tracer.compare_inputs.tensor_keys: a session writes whether its run started from a checkpoint
-    (meta `from_checkpoint`); a fresh run's step-0 params are Adam's first update (the first-update
-    excusal, tracer/excusal.py), no other tensor is, and no tensor of a run from a checkpoint or of a
-    trace that does not say."""
+    (meta `from_checkpoint`); a fresh run's step-0 param grads and params make Adam's first update (the
+    first-update excusal, tracer/excusal.py, at the eps given), no other tensor does, and no tensor of a
+    run from a checkpoint or of a trace that does not say."""
     ref, _, _ = adam_check
     assert ref.meta["from_checkpoint"] is False
     keys = tensor_keys(ref)
     first = {k.name for k in keys if k.first_update}
-    assert first and first == {k.name for k in keys if k.kind == "param" and k.name.startswith("0/")}
+    assert first == {k.name for k in keys if k.kind in ("param", "param_grad") and k.name.startswith("0/")}
+    assert any(k.kind == "param" for k in keys if k.first_update)
     try:
         for said in (True, None):
             ref.meta["from_checkpoint"] = said
             assert not any(k.first_update for k in tensor_keys(ref)), said
     finally:
         ref.meta["from_checkpoint"] = False
+
+
+def test_the_first_update_is_judged_at_the_eps_the_runs_replay_fitted_and_runs_that_disagree_are_an_error(
+        adam_check):
+    """The check replays grad signs (bf16): the candidate and the perturbed runs each fitted Adam's eps
+    to the reference's first update (tracer.grad_signs.reference_eps) and recorded it; the comparison's
+    first-update rule judges at it (tracer.compare_inputs.first_update_eps). Runs that say different
+    eps replayed different references: an error, never a verdict."""
+    ref, pert, candidate = adam_check
+    cand = candidate()
+    eps = first_update_eps([cand, *pert])
+    assert eps > 0 and all(r.meta["first_update_eps"] == eps for r in (cand, *pert))
+    assert {k.first_update for k in tensor_keys(ref, eps)} == {0.0, eps}
+    try:
+        pert[1].meta["first_update_eps"] = 2 * eps
+        with pytest.raises(TraceError, match="different first updates"):
+            compare(ref, cand, pert, TolerancePolicy())
+    finally:
+        pert[1].meta["first_update_eps"] = eps
 
 
 def _near_zero_grads(ref, pert) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ def gradient(r, c, env_full, lo, n, k, room, eps, near, dev, env, upd):
     """A param_grad of n elements at lo: near[j] = |r| <= k (env + room) (within noise of zero: its
     update may go either way), except where the reference, every perturbed run and the candidate are
     exactly zero (a deterministic zero update); dev[j] = |c - r|, env[j] = the perturbed runs'
-    envelope and upd[j] = |u(c) - u(r)|, u(g) = g / (|g| + eps) Adam's first update over lr
-    (tracer/adam.py), kept for the param's excusal. `room` = (noise + unit) x rms(r)."""
+    envelope and, where this grad makes Adam's first update (eps > 0: its eps, tracer/adam.py), upd[j] =
+    |u(c) - u(r)|, u(g) = g / (|g| + eps) that update over lr, kept for the param's excusal (not written
+    otherwise). `room` = (noise + unit) x rms(r)."""
     for j in range(U(n)):
         at = lo + j
         rv = np.float64(r[at])
@@ -27,7 +28,8 @@ def gradient(r, c, env_full, lo, n, k, room, eps, near, dev, env, upd):
         near[j] = abs(rv) <= k * (e + room) and not (rv == 0.0 and e == 0.0 and d == 0.0)
         dev[j] = d
         env[j] = e
-        upd[j] = abs(cv / (abs(cv) + eps) - rv / (abs(rv) + eps))
+        if eps > 0.0:
+            upd[j] = abs(cv / (abs(cv) + eps) - rv / (abs(rv) + eps))
 
 
 @numba.njit(**JIT)
