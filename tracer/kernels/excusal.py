@@ -22,13 +22,13 @@ def gradient(r, c, env_full, lo, n, k, room, eps, near, dev, env, upd):
     for j in range(U(n)):
         at = lo + j
         rv = np.float64(r[at])
-        cv = np.float64(c[at])
         e = np.float64(env_full[at])
         d = abs(np.float64(c[at] - r[at]))
         near[j] = abs(rv) <= k * (e + room) and not (rv == 0.0 and e == 0.0 and d == 0.0)
         dev[j] = d
         env[j] = e
         if eps > 0.0:
+            cv = np.float64(c[at])
             upd[j] = abs(cv / (abs(cv) + eps) - rv / (abs(rv) + eps))
 
 
@@ -38,7 +38,7 @@ def param(r, P, R, c, lo, n, mask, c_dg, p_dg, c_upd, first, explain, k, unit, b
     mask (bool, n) gains the elements whose deviation the candidate's gradient deviation c_dg explains:
     0 < |c - r| <= k x gain x c_dg, gain the perturbed runs' parameter envelope over their gradient envelope
     p_dg; or, where this is Adam's first update (`first`, with `before`), 0 < |c - r| <= k x lr x c_upd,
-    lr the reference's largest move from `before` (float64; NaN: not applied), c_upd the candidate's
+    lr the reference's largest move from `before` (float64, computed only then), c_upd the candidate's
     first-update deviation |u(c_g) - u(r_g)| (tracer/adam.py; read only then). Written: keep (n,) the
     reference's values (the next step's `before`), judged[lo:][:n] 0.0 at the masked elements and 1.0
     elsewhere. Returns (added, env_max, absmax, excused, excused_dev, beyond, beyond_noise, step_max): the
